@@ -1,0 +1,186 @@
+"""Random-access reader for a TFDS dataset prepared as array_record, no TF.
+
+`tfds.data_source` serves array_record files through tfds's pure-numpy
+deserializer, so the host pipeline can fetch arbitrary rows by index (for
+deterministic, resumable sharded sampling) without TensorFlow installed.
+Nothing here downloads: `data_dir` must already hold the prepared dataset.
+Image features are PNG/JPEG on disk and tfds decodes them with Pillow (or
+OpenCV); it logs a one-time "OpenCV is not installed" warning when using PIL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Callable
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+
+try:  # the pipeline's shared error type, so callers catch one class
+    from input_pipeline.errors import DataError
+except ImportError:  # errors.py not there (yet): same contract, defined here
+
+    class DataError(ValueError):
+        """A dataset/config problem the user must fix; message is a single line."""
+
+
+Spec = tuple[tuple[int, ...], np.dtype]
+
+
+def _one_line(err: BaseException) -> str:
+    # tfds messages are often multi-line (e.g. the list of every registered
+    # dataset); keep only the first line so our DataError stays one line.
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
+    """Per-example spec + batch converter for one tfds feature connector."""
+    shape, dtype = tuple(feat.shape), np.dtype(feat.np_dtype)
+    if isinstance(feat, tfds.features.Image):
+        if dtype != np.uint8 or None in shape or len(shape) != 3:
+            raise DataError(
+                f"image feature {key!r} must be uint8 with a fixed HxWxC shape, "
+                f"got shape={shape} dtype={dtype}"
+            )
+        if not (importlib.util.find_spec("PIL") or importlib.util.find_spec("cv2")):
+            raise DataError(
+                f"image feature {key!r} needs Pillow (or OpenCV) to decode: pip install pillow"
+            )
+        size = int(np.prod(shape))
+
+        # Flattened float32 in [0, 1]: what an MLP consumes as "pixels".
+        def images(vals):
+            arr = np.asarray(vals, dtype=np.uint8).reshape(len(vals), size)
+            return arr.astype(np.float32) / np.float32(255.0)
+
+        return ((size,), np.dtype(np.float32)), images
+    if isinstance(feat, tfds.features.Text):
+        # Raw UTF-8 bytes; tokenization happens elsewhere. np.empty + slice
+        # assignment guarantees a 1-D object array whatever the contents.
+        def texts(vals):
+            out = np.empty(len(vals), dtype=object)
+            out[:] = [bytes(v) for v in vals]
+            return out
+
+        return ((), np.dtype(object)), texts
+    if shape == () and np.issubdtype(dtype, np.integer):  # ClassLabel, ids
+        return ((), np.dtype(np.int32)), lambda vals: np.asarray(vals, dtype=np.int32)
+    if isinstance(feat, tfds.features.Tensor) and None not in shape and dtype != object:
+        # Fixed-shape numeric tensors pass through unchanged.
+        return (shape, dtype), lambda vals: np.asarray(vals, dtype=dtype).reshape(
+            (len(vals), *shape)
+        )
+    raise DataError(
+        f"feature {key!r} of type {type(feat).__name__} (shape={shape}, dtype={dtype}) "
+        "is not supported; use an Image, Text, integer scalar or fixed-shape Tensor"
+    )
+
+
+class TfdsSource:
+    """Rows of one split of a prepared TFDS dataset, fetched by index.
+
+    `fields` maps output field name -> tfds feature key, e.g.
+    {"inputs": "image", "targets": "label"}.
+    """
+
+    def __init__(self, name: str, split: str, data_dir: str, fields: dict[str, str]):
+        data_dir = os.fspath(data_dir)
+        self.name, self.split, self.data_dir = name, split, data_dir
+        if not os.path.isdir(data_dir):
+            raise DataError(f"data_dir does not exist: {data_dir}")
+        # Check the dataset directory ourselves: for names tfds ships code for
+        # (e.g. "mnist") tfds.builder would happily build an empty code builder
+        # and fail later with a confusing split error.
+        base = name.split(":")[0].split("/")[0]
+        if not os.path.isdir(os.path.join(data_dir, base)):
+            present = sorted(
+                d
+                for d in os.listdir(data_dir)
+                if os.path.isdir(os.path.join(data_dir, d)) and d != "downloads"
+            )
+            raise DataError(
+                f"dataset {name!r} not found in data_dir {data_dir} "
+                f"(datasets present: {', '.join(present) or 'none'})"
+            )
+        try:
+            builder = tfds.builder(name, data_dir=data_dir)
+        except Exception as e:  # tfds raises many types, all multi-line
+            found = sorted(os.listdir(os.path.join(data_dir, base)))  # versions/configs
+            raise DataError(
+                f"cannot load dataset {name!r} from {data_dir}: {_one_line(e)} "
+                f"(found in {base}/: {', '.join(found) or 'nothing'})"
+            ) from None
+        if not builder.is_prepared():
+            raise DataError(
+                f"dataset {name!r} is not prepared in data_dir {data_dir} "
+                f"(expected {builder.data_path})"
+            )
+        info = builder.info
+        available = list(info.splits)
+        try:
+            num_examples = info.splits[split].num_examples  # handles "train[:10%]"
+        except (ValueError, KeyError) as e:
+            raise DataError(
+                f"split {split!r} is not valid for dataset {name!r} in {data_dir} "
+                f"(available splits: {', '.join(available)}): {_one_line(e)}"
+            ) from None
+        if num_examples == 0:
+            raise DataError(f"split {split!r} of dataset {name!r} in {data_dir} is empty")
+
+        features = info.features
+        if not fields:
+            raise DataError(f"no fields requested from dataset {name!r}")
+        self._convert: dict[str, tuple[str, Callable]] = {}
+        self._spec: dict[str, Spec] = {}
+        for out_name, key in fields.items():
+            if key not in features.keys():
+                raise DataError(
+                    f"field {out_name!r} names feature key {key!r} which dataset "
+                    f"{name!r} lacks (available: {', '.join(features.keys())})"
+                )
+            self._spec[out_name], conv = _converter(key, features[key])
+            self._convert[out_name] = (key, conv)
+        try:
+            self._source = tfds.data_source(
+                name, split=split, data_dir=data_dir, download=False
+            )
+        except Exception as e:  # e.g. prepared as tfrecord, not array_record
+            raise DataError(
+                f"cannot open {name!r} split {split!r} in {data_dir} for random "
+                f"access (needs file_format=array_record): {_one_line(e)}"
+            ) from None
+        self._len = len(self._source)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def element_spec(self) -> dict[str, Spec]:
+        """Per-example (shape, dtype) of each output field, from dataset info."""
+        return dict(self._spec)
+
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows at `indices`, in that order, stacked per output field."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
+            raise IndexError(
+                f"indices out of range [0, {self._len}) for {self.name!r} split "
+                f"{self.split!r}: min={idx.min()} max={idx.max()}"
+            )
+        if idx.size == 0:
+            return {k: np.zeros((0, *s), dtype=d) for k, (s, d) in self._spec.items()}
+        keys = [int(i) for i in idx]
+        # One batched array_record read (threads per shard) instead of N calls.
+        if hasattr(self._source, "__getitems__"):
+            rows = self._source.__getitems__(keys)
+        else:
+            rows = [self._source[i] for i in keys]
+        return {
+            out: conv([row[key] for row in rows])
+            for out, (key, conv) in self._convert.items()
+        }

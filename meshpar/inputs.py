@@ -1,0 +1,53 @@
+"""The one place meshpar and input_pipeline meet: config → source, loader, feeder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh, NamedSharding
+
+from input_pipeline.batching import HostLoader
+from input_pipeline.feeding import FEEDERS, Feeder, process_rows
+from input_pipeline.synthetic import SyntheticSource
+from meshpar.config import Config, DataConfig
+from meshpar.layout import Layout
+
+
+@dataclasses.dataclass
+class Inputs:
+    element_spec: dict  # field → (per-example shape, dtype)
+    shardings: dict[str, NamedSharding]  # field → sharding of the global batch
+    train: HostLoader
+    eval: HostLoader | None
+    feeder: Feeder
+
+
+def make_source(data: DataConfig, split: str, seed: int):
+    """The source for the train split (``split="train"``) or the eval split (``"eval"``); None if absent."""
+    if data.source == "synthetic":
+        n = data.num_examples if split == "train" else data.num_eval_examples
+        return SyntheticSource(n, data.num_features, data.num_classes, seed, split) if n else None
+    if data.source == "tfds":
+        from input_pipeline.tfds_source import TfdsSource  # tfds is slow to import; only when used
+
+        name = data.split if split == "train" else data.eval_split
+        return TfdsSource(data.name, name, data.data_dir, dict(data.fields)) if name else None
+    raise ValueError(f"unknown data source {data.source!r}")
+
+
+def batch_shardings(element_spec: dict, layout: Layout, mesh: Mesh) -> dict[str, NamedSharding]:
+    """Every field is ``[batch, ...]``: split on the batch dim, the rest whole."""
+    return {k: layout.sharding(mesh, ("batch",) + (None,) * len(shape)) for k, (shape, _) in element_spec.items()}
+
+
+def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
+    train_source = make_source(cfg.data, "train", cfg.train.seed)
+    spec = train_source.element_spec
+    shardings = batch_shardings(spec, layout, mesh)
+    first = next(iter(shardings.values()))
+    rows = process_rows(first, (cfg.train.batch_size, *spec[next(iter(spec))][0]))
+    train = HostLoader(train_source, cfg.train.batch_size, cfg.train.seed, rows)
+    eval_source = make_source(cfg.data, "eval", cfg.train.seed)
+    evaluation = eval_source and HostLoader(eval_source, cfg.train.batch_size, cfg.train.seed, rows, shuffle=False)
+    feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)
+    return Inputs(spec, shardings, train, evaluation, feeder)

@@ -1,0 +1,160 @@
+"""Train state, sharded initialisation, and the jitted train / eval steps.
+
+Initialisation never materialises a parameter whole on one device: the model is first built
+abstractly (``nnx.eval_shape``), each parameter's logical dims become a ``NamedSharding``
+through the layout, and the real init runs under ``jit`` with those ``out_shardings``, so XLA
+computes every shard on the device that owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshpar import layout as layout_lib
+from meshpar.config import OptimizerConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: steps taken
+    params: nnx.State  # nnx.Param variables, each carrying its logical `dims`
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32[2] raw key data: dropout etc. (raw so checkpoints stay plain arrays)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.learning_rate, max(total_steps - cfg.warmup_steps, 1))
+    else:
+        decay = optax.constant_schedule(cfg.learning_rate)
+    lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), decay], [cfg.warmup_steps])
+    opt = {
+        "adam": lambda: optax.adam(lr, b1=cfg.b1, b2=cfg.b2),
+        "adamw": lambda: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        "lion": lambda: optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        "sgd": lambda: optax.sgd(lr, momentum=cfg.b1 or None),
+    }[cfg.name]()
+    if cfg.grad_clip_norm > 0:
+        opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), opt)
+    return opt
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree: Any, layout: layout_lib.Layout, mesh: Mesh) -> Any:
+    """Sharding for every leaf: a variable by its logical ``dims``, anything else replicated.
+
+    Works on params and on optimizer state alike, since optax's moments keep the parameters'
+    variables (and so their dims).
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x):
+        if _is_var(x):
+            dims = x.get_metadata().get("dims")
+            return x.replace(replicated if dims is None else layout.sharding(mesh, dims))
+        return replicated
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def check_params(abstract_params: nnx.State, layout: layout_lib.Layout) -> None:
+    """Every parameter's split dims divide evenly (raises LayoutError naming the parameter)."""
+    for path, var in nnx.to_flat_state(abstract_params):
+        dims = var.get_metadata().get("dims")
+        if dims is not None:
+            name = "/".join(str(p) for p in path)
+            layout.check_shape(dims, var.value.shape, what=f"parameter {name} {tuple(dims)}")
+
+
+def abstract_model(build: Callable[[nnx.Rngs], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and parameter shapes, without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+
+
+def init_state(
+    build: Callable[[nnx.Rngs], nnx.Module],
+    tx: optax.GradientTransformation,
+    seed: int,
+    layout: layout_lib.Layout,
+    mesh: Mesh,
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Initialise the train state directly in its shardings. Returns (graphdef, state, shardings)."""
+
+    def init() -> TrainState:
+        params_rng, state_rng = jax.random.split(jax.random.key(seed))
+        _, params = nnx.split(build(nnx.Rngs(params=params_rng)))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(state_rng),
+        )
+
+    graphdef, _ = abstract_model(build)
+    shardings = tree_shardings(jax.eval_shape(init), layout, mesh)
+    with layout_lib.activate(layout, mesh):
+        state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state, shardings
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    layout: layout_lib.Layout,
+    mesh: Mesh,
+    state_shardings: TrainState,
+    batch_shardings: Mapping[str, NamedSharding],
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """``step(state, batch) -> (state, metrics)``, jitted with explicit shardings; state is donated."""
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            return model.loss(batch, rngs=nnx.Rngs(dropout=step_rng))
+
+        with layout_lib.activate(layout, mesh):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng))
+        return new, metrics
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, dict(batch_shardings)),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef,
+    layout: layout_lib.Layout,
+    mesh: Mesh,
+    param_shardings: nnx.State,
+    batch_shardings: Mapping[str, NamedSharding],
+) -> Callable[[nnx.State, dict], dict]:
+    """``eval_step(params, batch) -> metrics`` (loss and the model's own metrics), no dropout."""
+
+    def step(params: nnx.State, batch: dict) -> dict:
+        with layout_lib.activate(layout, mesh):
+            loss, aux = nnx.merge(graphdef, params).loss(batch, rngs=None)
+        return {"loss": loss, **aux}
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, in_shardings=(param_shardings, dict(batch_shardings)), out_shardings=replicated)
