@@ -18,12 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 
-try:  # the pipeline's shared error type, so callers catch one class
-    from input_pipeline.errors import DataError
-except ImportError:  # errors.py not there (yet): same contract, defined here
-
-    class DataError(ValueError):
-        """A dataset/config problem the user must fix; message is a single line."""
+from input_pipeline.errors import DataError
 
 
 Spec = tuple[tuple[int, ...], np.dtype]
