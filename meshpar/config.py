@@ -25,7 +25,9 @@ class ConfigError(ValueError):
     """A config mistake: ``key`` is the dotted key, the message says what is wrong."""
 
     def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
+        # A key taken from YAML may hold a newline (`"a\nb": 1`): shown as repr, the message
+        # stays one line. `self.key` keeps the key itself.
+        super().__init__(f"{key if key.isprintable() else repr(key)}: {message}")
         self.key = key
 
 
@@ -184,7 +186,8 @@ def build(cls: type, raw: Any, key: str) -> Any:
         sub = f"{key}.{name}" if key else name
         kwargs[name] = _coerce(hints[name], value, sub)
         lo = fields[name].metadata.get("min")
-        if lo is not None and kwargs[name] < lo:
+        # `not >=` rather than `<`: a NaN (YAML .nan) compares false both ways and must not pass.
+        if lo is not None and not kwargs[name] >= lo:
             raise ConfigError(sub, f"must be >= {lo}, got {kwargs[name]}")
     return cls(**kwargs)
 
@@ -193,7 +196,8 @@ def _model(raw: Any) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError("model", f"expected a mapping with a 'name', got {_describe(raw)}")
     name = raw.get("name")
-    if name not in MODELS:
+    # isinstance first: an unhashable name (a list, a mapping) would raise TypeError in `in`.
+    if not isinstance(name, str) or name not in MODELS:
         raise ConfigError("model.name", f"{name!r} is not a model (known: {', '.join(MODELS)})")
     return build(MODELS[name].config, raw, "model")
 
@@ -275,7 +279,13 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
-    return from_dict(apply_overrides(raw or {}, overrides))
+    # Only an empty file means {}: a top-level list or scalar must not reach apply_overrides'
+    # dict(), which raises TypeError/ValueError for it (or turns a list of pairs into a mapping).
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config", f"expected a mapping at the top level of {path}, got {_describe(raw)}")
+    return from_dict(apply_overrides(raw, overrides))
 
 
 def to_dict(cfg: Config) -> dict:

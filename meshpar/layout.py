@@ -46,12 +46,14 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, str], ...]:
             pairs.append((dim.strip(), axis.strip()))
     else:
         raise LayoutError(f"expected a string like 'batch:data; hidden:model' or a mapping, got {type(rules).__name__}")
+    # Names are quoted with repr (same text as '...' for plain names), so a name holding a
+    # newline or other control character cannot break an error message over lines.
     seen: dict[str, str] = {}
     for dim, axis in pairs:
         if not dim or not axis:
-            raise LayoutError(f"rule '{dim}:{axis}' has an empty dim or axis name")
+            raise LayoutError(f"rule {f'{dim}:{axis}'!r} has an empty dim or axis name")
         if dim in seen:
-            raise LayoutError(f"dim '{dim}' is mapped twice (to '{seen[dim]}' and '{axis}')")
+            raise LayoutError(f"dim {dim!r} is mapped twice (to {seen[dim]!r} and {axis!r})")
         seen[dim] = axis
     return tuple(pairs)
 
@@ -68,8 +70,8 @@ class Layout:
         parsed = parse_rules(rules)
         for dim, axis in parsed:
             if axis not in axis_sizes:
-                known = ", ".join(f"'{a}'" for a in axis_sizes)
-                raise LayoutError(f"dim '{dim}' is mapped to unknown mesh axis '{axis}' (mesh axes: {known})")
+                known = ", ".join(repr(a) for a in axis_sizes)
+                raise LayoutError(f"dim {dim!r} is mapped to unknown mesh axis {axis!r} (mesh axes: {known})")
         return cls(parsed, tuple(axis_sizes.items()))
 
     def __str__(self) -> str:
@@ -93,7 +95,7 @@ class Layout:
             if axis is not None:
                 if axis in used:
                     raise LayoutError(
-                        f"dims '{used[axis]}' and '{dim}' of one tensor {tuple(dims)} are both mapped to mesh axis '{axis}'"
+                        f"dims {used[axis]!r} and {dim!r} of one tensor {tuple(dims)} are both mapped to mesh axis {axis!r}"
                     )
                 used[axis] = dim
             out.append(axis)
@@ -108,7 +110,7 @@ class Layout:
             n = 1 if dim is None else self.axis_size(dim)
             if size % n:
                 raise LayoutError(
-                    f"dim '{dim}' of {what} has size {size}, not divisible by mesh axis '{self.axis(dim)}' of size {n}"
+                    f"dim {dim!r} of {what} has size {size}, not divisible by mesh axis {self.axis(dim)!r} of size {n}"
                 )
 
     def sharding(self, mesh: Mesh, dims: Sequence[str | None]) -> NamedSharding:

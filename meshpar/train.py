@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
         f"{summary['examples_per_s']:,.0f} examples/s, feed={summary['feed_mode']}, mesh {summary['mesh']}, "
-        f"workdir {args.config and summary['config']['workdir']}"
+        f"workdir {summary['config']['workdir']}"
     )
     return 0
 

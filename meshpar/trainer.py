@@ -74,7 +74,7 @@ def check_params(abstract_params: nnx.State, layout: layout_lib.Layout) -> None:
         dims = var.get_metadata().get("dims")
         if dims is not None:
             name = "/".join(str(p) for p in path)
-            layout.check_shape(dims, var.value.shape, what=f"parameter {name} {tuple(dims)}")
+            layout.check_shape(dims, var.get_value().shape, what=f"parameter {name} {tuple(dims)}")
 
 
 def abstract_model(build: Callable[[nnx.Rngs], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
@@ -129,7 +129,7 @@ def make_train_step(
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng))
         return new, metrics
 

@@ -1,0 +1,156 @@
+"""Byte-level language-modelling sources: fixed-length windows of a token stream.
+
+Tokens are raw bytes (vocab 256). A split is one ``uint8`` stream; example ``i`` is the
+window ``stream[i*length : i*length + length + 1]`` (stride ``length``, so consecutive windows
+share only their boundary byte and every byte after the first is a target exactly once), with
+``inputs = window[:-1]`` and ``targets = window[1:]``, both int32 ``[length]``. Reads are
+random-access, so the host loader's seeded permutation decides the order.
+
+Corpora:
+  * :class:`TextSource` — by default the Python standard library's own ``.py`` files, found at
+    run time (``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``),
+    sorted by relative path and split train/eval *by file*: a file is in eval iff the first 8
+    bytes of ``sha256(relative posix path)``, as a fraction of 2**64, are below
+    ``eval_fraction``. Stable across runs, machines and Python versions' hash seeds.
+  * :func:`from_tfds` — every row of a tfds Text feature.
+Documents (files, rows) are joined with ``SEPARATOR`` (``b"\\n"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from input_pipeline.errors import DataError
+
+VOCAB_SIZE = 256
+SEPARATOR = b"\n"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def tokenize_bytes(texts: Sequence[bytes], separator: bytes = SEPARATOR) -> np.ndarray:
+    """Join documents with `separator` into one uint8 token stream (byte = token)."""
+    return np.frombuffer(separator.join(bytes(t) for t in texts), dtype=np.uint8).copy()
+
+
+class TextWindows:
+    """Windows of ``length + 1`` tokens at stride ``length`` over a 1-D token stream."""
+
+    def __init__(self, token_stream: np.ndarray, length: int, what: str = "token stream"):
+        if length < 1:
+            raise DataError(f"window length must be >= 1, got {length}")
+        stream = np.asarray(token_stream)
+        if stream.ndim != 1:
+            raise DataError(f"{what}: token stream must be 1-D, got shape {stream.shape}")
+        if stream.size < length + 1:
+            raise DataError(f"{what} has {stream.size} tokens, fewer than one window of {length + 1} (length {length} + 1)")
+        self.tokens, self.length, self.what = stream, length, what
+        self._len = (stream.size - 1) // length
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        spec = ((self.length,), np.dtype(np.int32))
+        return {"inputs": spec, "targets": spec}
+
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Windows at `indices`, in that order: ``{"inputs": [n, length], "targets": [n, length]}``."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
+            raise IndexError(f"indices out of range [0, {self._len}) for {self.what}: min={idx.min()} max={idx.max()}")
+        pos = idx.astype(np.int64)[:, None] * self.length + np.arange(self.length + 1)  # [n, length + 1]
+        windows = self.tokens[pos].astype(np.int32)
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def list_py_files(corpus_dir: str) -> list[str]:
+    """Relative posix paths of every ``.py`` file under `corpus_dir`, sorted (no site-packages)."""
+    if not os.path.isdir(corpus_dir):
+        raise DataError(f"corpus_dir does not exist: {corpus_dir}")
+    found = []
+    for root, dirs, files in os.walk(corpus_dir):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        rel = os.path.relpath(root, corpus_dir)
+        for f in files:
+            if f.endswith(".py"):
+                found.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
+    if not found:
+        raise DataError(f"corpus_dir has no .py files: {corpus_dir}")
+    return sorted(found)
+
+
+def is_eval_file(rel_path: str, eval_fraction: float) -> bool:
+    """Deterministic split by file: sha256 of the relative path, as a fraction in [0, 1)."""
+    h = int.from_bytes(hashlib.sha256(rel_path.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < eval_fraction
+
+
+def split_files(files: Sequence[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    """(train, eval) file lists; disjoint, union = `files`, each in the order given."""
+    train, evals = [], []
+    for f in files:
+        (evals if is_eval_file(f, eval_fraction) else train).append(f)
+    return train, evals
+
+
+class TextSource(TextWindows):
+    """Byte windows of one split of a directory of ``.py`` files (default: Python's stdlib).
+
+    `max_bytes` keeps only the first `max_bytes` bytes of the split (files in sorted order),
+    reading no more files than that needs.
+    """
+
+    def __init__(
+        self,
+        split: Literal["train", "eval"],
+        length: int,
+        corpus_dir: str | None = None,
+        eval_fraction: float = 0.05,
+        max_bytes: int | None = None,
+    ):
+        if split not in ("train", "eval"):
+            raise DataError(f"split must be 'train' or 'eval', got {split!r}")
+        if not 0.0 <= eval_fraction <= 1.0:
+            raise DataError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+        if max_bytes is not None and max_bytes < 1:
+            raise DataError(f"max_bytes must be positive, got {max_bytes}")
+        self.corpus_dir = os.fspath(corpus_dir) if corpus_dir is not None else stdlib_dir()
+        self.split = split
+        train, evals = split_files(list_py_files(self.corpus_dir), eval_fraction)
+        self.files = train if split == "train" else evals  # every file of the split
+        texts, total = [], 0
+        for rel in self.files:
+            with open(os.path.join(self.corpus_dir, rel), "rb") as f:
+                texts.append(f.read())
+            total += len(texts[-1]) + len(SEPARATOR)
+            if max_bytes is not None and total >= max_bytes:
+                break
+        self.files_read = self.files[: len(texts)]
+        stream = tokenize_bytes(texts)[:max_bytes]
+        what = f"split {split!r} of {self.corpus_dir} ({len(self.files)} files)"
+        super().__init__(stream, length, what=what)
+
+
+def from_tfds(name: str, split: str, data_dir: str, feature: str = "text", *, length: int) -> TextWindows:
+    """Byte windows over every row of a tfds Text `feature`, rows joined with ``SEPARATOR``."""
+    from input_pipeline.tfds_source import TfdsSource  # tfds is heavy: import only when asked
+
+    src = TfdsSource(name, split, data_dir, {"text": feature})
+    (shape, dtype) = src.element_spec["text"]
+    if dtype != np.dtype(object) or shape != ():
+        raise DataError(f"feature {feature!r} of dataset {name!r} is not a Text feature (shape={shape}, dtype={dtype})")
+    rows = src.read(np.arange(len(src)))["text"]
+    return TextWindows(tokenize_bytes(list(rows)), length, what=f"split {split!r} of tfds dataset {name!r} feature {feature!r}")

@@ -1,0 +1,248 @@
+"""meshpar.mesh: parsing ``"data:4,model:2"``, filling ``-1``, building the mesh on the 8 test CPUs."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from meshpar import mesh as mesh_lib
+from meshpar.mesh import MeshError, build_mesh, describe, parse_mesh, resolve
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and msg.splitlines() == [msg], f"not one line: {msg!r}"
+    return msg
+
+
+# --------------------------------------------------------------------------------------------
+# parse_mesh
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("data:4,model:2", (("data", 4), ("model", 2))),
+        ("data:8", (("data", 8),)),
+        (" data : 4 ,  model:2 ", (("data", 4), ("model", 2))),
+        ("data:-1,model:2", (("data", -1), ("model", 2))),
+        ("model:2,data:-1", (("model", 2), ("data", -1))),
+        ("a:1,b:2,c:4", (("a", 1), ("b", 2), ("c", 4))),
+        ("data:+4", (("data", 4),)),
+    ],
+)
+def test_parse_mesh_string(spec, expected):
+    assert parse_mesh(spec) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ({"data": 4, "model": 2}, (("data", 4), ("model", 2))),
+        ({"model": 2, "data": 4}, (("model", 2), ("data", 4))),  # order kept
+        ({"data": -1}, (("data", -1),)),
+        ({" data ": "4"}, (("data", 4),)),  # names stripped, numeric strings accepted
+    ],
+)
+def test_parse_mesh_mapping(spec, expected):
+    assert parse_mesh(spec) == expected
+
+
+def test_parse_mesh_sizes_are_ints():
+    assert all(type(n) is int for _, n in parse_mesh({"data": "4", "model": 2}))
+
+
+@pytest.mark.parametrize(
+    "spec, substrings",
+    [
+        # malformed 'name:size'
+        ("data", ["'data'", "not 'name:size'"]),
+        ("data:4,model", ["'model'", "not 'name:size'"]),
+        ("data:4,", ["not 'name:size'"]),
+        ("", ["not 'name:size'"]),
+        ("data=4", ["'data=4'", "not 'name:size'"]),
+        # names
+        ("1data:4", ["'1data'", "not an identifier"]),
+        (":4", ["''", "not an identifier"]),
+        ("da ta:4", ["'da ta'", "not an identifier"]),
+        # non-integer sizes
+        ("data:four", ["'data'", "'four'", "not an integer"]),
+        ("data:2.5", ["'data'", "'2.5'", "not an integer"]),
+        ("data:", ["'data'", "''", "not an integer"]),
+        ("data:4:2", ["'data'", "'4:2'", "not an integer"]),
+        ({"data": 2.5}, ["'data'", "'2.5'", "not an integer"]),
+        ({"data": True}, ["'data'", "'True'", "not an integer"]),
+        ({"data": None}, ["'data'", "not an integer"]),
+        # zero / negative sizes other than -1
+        ("data:0", ["'data'", "size 0", "-1 for the remaining devices"]),
+        ("data:4,model:-2", ["'model'", "size -2"]),
+        ({"data": -3}, ["'data'", "size -3"]),
+        # duplicates
+        ("data:4,data:2", ["'data'", "appears twice"]),
+        ("data:4, data :2", ["'data'", "appears twice"]),
+        # two -1 axes
+        ("data:-1,model:-1", ["more than one axis is -1"]),
+        ({"data": -1, "model": -1}, ["more than one axis is -1"]),
+        # empty / wrong type
+        ({}, ["no axes"]),
+        (8, ["int"]),
+        (["data:4"], ["list"]),
+        (None, ["NoneType"]),
+    ],
+)
+def test_parse_mesh_errors(spec, substrings):
+    with pytest.raises(MeshError) as e:
+        parse_mesh(spec)
+    msg = one_line(e)
+    for s in substrings:
+        assert s in msg, (s, msg)
+
+
+def test_mesh_error_is_value_error():
+    assert issubclass(MeshError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# resolve / cpu_device_count
+
+
+@pytest.mark.parametrize(
+    "axes, n, expected",
+    [
+        ((("data", -1), ("model", 2)), 8, (("data", 4), ("model", 2))),
+        ((("data", -1),), 8, (("data", 8),)),
+        ((("model", 2), ("data", -1)), 8, (("model", 2), ("data", 4))),
+        ((("data", -1), ("model", 8)), 8, (("data", 1), ("model", 8))),
+        ((("data", -1), ("model", 2)), 16, (("data", 8), ("model", 2))),
+        # nothing to fill: returned unchanged, whatever the device count
+        ((("data", 4), ("model", 2)), 8, (("data", 4), ("model", 2))),
+        ((("data", 2),), 8, (("data", 2),)),
+    ],
+)
+def test_resolve(axes, n, expected):
+    assert resolve(axes, n) == expected
+
+
+@pytest.mark.parametrize("axes, n", [((("data", -1), ("model", 3)), 8), ((("data", -1), ("model", 16)), 8)])
+def test_resolve_fill_does_not_divide(axes, n):
+    with pytest.raises(MeshError) as e:
+        resolve(axes, n)
+    msg = one_line(e)
+    fixed = axes[1][1]
+    assert "'data'" in msg and "-1" in msg and str(n) in msg and str(fixed) in msg
+
+
+def test_cpu_device_count(monkeypatch):
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    assert mesh_lib.cpu_device_count((("data", 4), ("model", 2))) == 8
+    assert mesh_lib.cpu_device_count((("data", 2),)) == 2
+    assert mesh_lib.cpu_device_count((("data", -1),)) == mesh_lib.DEFAULT_CPU_DEVICES
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
+    assert mesh_lib.cpu_device_count((("data", -1), ("model", 2))) == 4
+    assert mesh_lib.cpu_device_count((("data", 3),)) == 3  # no -1: the env var is not consulted
+
+
+# --------------------------------------------------------------------------------------------
+# build_mesh on the 8 simulated CPU devices (tests/conftest.py)
+
+
+def test_test_host_has_8_cpus():
+    assert jax.devices()[0].platform == "cpu"
+    assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        ("data:4,model:2", {"data": 4, "model": 2}),
+        ("data:-1,model:2", {"data": 4, "model": 2}),
+        ("model:2,data:-1", {"model": 2, "data": 4}),
+        ("data:-1", {"data": 8}),
+        ({"data": 2, "model": -1}, {"data": 2, "model": 4}),
+        ((("data", 8),), {"data": 8}),
+        ("data:2", {"data": 2}),
+        ("data:1,model:1", {"data": 1, "model": 1}),
+        ("a:2,b:2,c:2", {"a": 2, "b": 2, "c": 2}),
+    ],
+)
+def test_build_mesh_shape_and_devices(monkeypatch, spec, shape):
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    mesh = build_mesh(spec)
+    assert dict(mesh.shape) == shape
+    assert tuple(mesh.axis_names) == tuple(shape)
+    n = int(np.prod(list(shape.values())))
+    # The first n CPU devices, in order.
+    assert list(np.asarray(mesh.devices).flat) == jax.devices()[:n]
+    assert mesh.devices.shape == tuple(shape.values())
+
+
+def test_build_mesh_axes_are_auto():
+    mesh = build_mesh("data:-1,model:2")
+    assert tuple(mesh.axis_types) == (AxisType.Auto, AxisType.Auto)
+    assert all(t == AxisType.Auto for t in build_mesh("a:2,b:2,c:2").axis_types)
+
+
+def test_build_mesh_fill_uses_jax_num_cpu_devices(monkeypatch):
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
+    mesh = build_mesh("data:-1,model:2")
+    assert dict(mesh.shape) == {"data": 2, "model": 2}
+    assert list(mesh.devices.flat) == jax.devices()[:4]
+
+
+@pytest.mark.parametrize(
+    "spec, substrings",
+    [
+        # -1 does not divide the 8 devices
+        ("data:-1,model:3", ["'data'", "-1", "8 devices", "3"]),
+        ("data:-1,model:16", ["'data'", "8 devices", "16"]),
+        # bigger than the 8 devices
+        ("data:16", ["16 devices", "8"]),
+        ("data:4,model:4", ["16 devices", "8"]),
+        ({"data": 3, "model": 3}, ["9 devices", "8"]),
+        # parse errors surface unchanged
+        ("data:0", ["'data'", "size 0"]),
+        ("data:-1,model:-1", ["more than one axis is -1"]),
+    ],
+)
+def test_build_mesh_errors(monkeypatch, spec, substrings):
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    with pytest.raises(MeshError) as e:
+        build_mesh(spec)
+    msg = one_line(e)
+    for s in substrings:
+        assert s in msg, (s, msg)
+
+
+class _FakeAccelerator:
+    platform = "gpu"
+
+
+def test_build_mesh_on_accelerators_must_use_every_device(monkeypatch):
+    # On an accelerator host the mesh takes every device; a smaller mesh is an error that names
+    # both counts and the platform (checked before any real mesh is made, so fakes suffice).
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeAccelerator() for _ in range(8)])
+    with pytest.raises(MeshError) as e:
+        build_mesh("data:4")
+    msg = one_line(e)
+    assert "data:4" in msg and "4 devices" in msg and "8 gpu devices" in msg
+    with pytest.raises(MeshError) as e:
+        build_mesh("data:-1,model:3")
+    assert "8 devices" in one_line(e)
+
+
+# --------------------------------------------------------------------------------------------
+# describe / first_device
+
+
+@pytest.mark.parametrize("spec, text", [("data:4,model:2", "data:4,model:2"), ("data:-1,model:2", "data:4,model:2"),
+                                        ("model:2,data:-1", "model:2,data:4"), ("data:8", "data:8")])
+def test_describe(spec, text):
+    mesh = build_mesh(spec)
+    assert describe(mesh) == text
+    assert parse_mesh(describe(mesh)) == tuple(mesh.shape.items())  # round-trips
+
+
+def test_first_device():
+    assert mesh_lib.first_device(build_mesh("data:4,model:2")) == jax.devices()[0]
