@@ -1,0 +1,200 @@
+"""Decoder-only Transformer: shapes, dims metadata, FLOPs, causality, overfitting, layouts."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshpar import layout as layout_lib
+from meshpar import mesh as mesh_lib
+from meshpar import trainer
+from meshpar.inputs import batch_shardings
+from meshpar.models.transformer import TransformerConfig, build, flops_per_token, num_params
+
+VOCAB = {"batch", "length", "embed", "heads", "kv", "d_ff", "vocab", "layers"}
+LENGTH, BATCH = 32, 8
+SPEC = {"inputs": ((LENGTH,), np.dtype(np.int32)), "targets": ((LENGTH,), np.dtype(np.int32))}
+TINY = TransformerConfig(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=2, max_length=LENGTH)
+
+
+def _batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random byte sequences; targets are inputs shifted by one (as TextSource makes them)."""
+    tokens = np.random.default_rng(seed).integers(0, 256, (BATCH, LENGTH + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _params(model) -> list[tuple[str, nnx.Variable]]:
+    return [("/".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+@functools.cache
+def _logits_fn(cfg: TransformerConfig):
+    graphdef, params = nnx.split(build(cfg, SPEC, nnx.Rngs(0)))
+    return params, jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TINY,
+        TransformerConfig(**{**TINY.__dict__, "positions": "rotary", "tie_embeddings": True, "scan_layers": False}),
+    ],
+    ids=["learned-untied-scan", "rotary-tied-unrolled"],
+)
+def test_shapes_dims_and_param_count(cfg):
+    model = build(cfg, SPEC, nnx.Rngs(0))
+    batch = _batch()
+    logits = model(jnp.asarray(batch["inputs"]))
+    assert logits.shape == (BATCH, LENGTH, 256) and logits.dtype == jnp.float32
+    loss, metrics = model.loss(batch)
+    assert loss.shape == () and set(metrics) == {"accuracy"}
+    assert abs(float(loss) - np.log(256)) < 1.0  # near-uniform at init
+    total = 0
+    for name, var in _params(model):
+        dims = var.get_metadata().get("dims")
+        assert dims is not None and len(dims) == var[...].ndim, name
+        assert set(dims) <= VOCAB and len(set(dims)) == len(dims), (name, dims)
+        if name.startswith("blocks/"):
+            assert dims[0] == "layers" and var[...].shape[0] == cfg.n_layers, name
+        total += var[...].size
+    assert total == num_params(cfg)
+
+
+def test_build_rejects_bad_configs():
+    with pytest.raises(ValueError, match="exceeds max_length"):
+        build(TransformerConfig(**{**TINY.__dict__, "max_length": LENGTH - 1}), SPEC, nnx.Rngs(0))
+    with pytest.raises(ValueError, match="even d_head"):
+        build(TransformerConfig(**{**TINY.__dict__, "d_head": 7, "positions": "rotary"}), SPEC, nnx.Rngs(0))
+
+
+def test_flops_per_token_hand_count():
+    # N = layers * (4 * d_model * heads*d_head + 2 * d_model * d_ff) + d_model * vocab
+    #   = 2 * (4*32*32 + 2*32*64) + 32*256 = 2 * (4096 + 4096) + 8192 = 24576
+    # attention = 12 * layers * heads*d_head * length = 12 * 2 * 32 * 32 = 24576
+    assert flops_per_token(TINY, LENGTH) == 6 * 24576 + 24576 == 172032.0
+    # the count does not depend on positions / tying (no matmul difference)
+    tied = TransformerConfig(**{**TINY.__dict__, "tie_embeddings": True, "positions": "rotary"})
+    assert flops_per_token(tied, LENGTH) == 172032.0
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_causal(positions):
+    cfg = TransformerConfig(**{**TINY.__dict__, "positions": positions})
+    params, fn = _logits_fn(cfg)
+    x = _batch()["inputs"]
+    t = 13
+    x2 = x.copy()
+    x2[:, t] = (x2[:, t] + 1) % 256
+    a, b = np.asarray(fn(params, x)), np.asarray(fn(params, x2))
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])  # the past does not see the future
+    assert np.abs(a[:, t:] - b[:, t:]).max(axis=-1).min() > 0  # every later position does
+
+
+def test_scan_and_unrolled_agree_with_dropout():
+    cfg = TransformerConfig(**{**TINY.__dict__, "dropout": 0.2})
+    batch = _batch()
+    model = build(cfg, SPEC, nnx.Rngs(0))
+    unrolled = build(TransformerConfig(**{**cfg.__dict__, "scan_layers": False}), SPEC, nnx.Rngs(0))
+    train = [float(m.loss(batch, nnx.Rngs(dropout=1))[0]) for m in (model, unrolled)]
+    evals = [float(m.loss(batch, None)[0]) for m in (model, unrolled)]
+    np.testing.assert_allclose(train[0], train[1], rtol=1e-6)
+    np.testing.assert_allclose(evals[0], evals[1], rtol=1e-6)
+    assert train[0] != evals[0]  # dropout on in training, off in eval
+    assert float(model.loss(batch, nnx.Rngs(dropout=1))[0]) == train[0]  # seeded
+
+
+def test_bfloat16_compute_loss_is_float32():
+    cfg = TransformerConfig(**{**TINY.__dict__, "compute_dtype": "bfloat16", "param_dtype": "bfloat16"})
+    model = build(cfg, SPEC, nnx.Rngs(0))
+    assert all(v[...].dtype == jnp.bfloat16 for _, v in _params(model))
+    loss, _ = model.loss(_batch())
+    assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
+    f32, _ = build(TINY, SPEC, nnx.Rngs(0)).loss(_batch())
+    assert abs(float(loss) - float(f32)) < 0.05
+
+
+def test_overfits_one_batch():
+    model = build(TINY, SPEC, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tx = optax.adam(3e-3)
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+
+    @jax.jit
+    def steps(params, opt_state):
+        def one(carry, _):
+            p, o = carry
+            loss, g = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(batch)[0])(p)
+            u, o = tx.update(g, o, p)
+            return (optax.apply_updates(p, u), o), loss
+
+        (params, opt_state), losses = jax.lax.scan(one, (params, opt_state), None, length=150)
+        return losses
+
+    losses = np.asarray(steps(params, tx.init(params)))
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+LAYOUTS = [
+    "batch:data; d_ff:model; heads:model; vocab:model",  # Mesh TensorFlow data + model
+    "batch:data",  # pure data parallel
+    "d_ff:model; heads:model; vocab:model",  # pure model parallel
+    "batch:data; embed:model",  # 2-D: [batch, length, embed] split on both axes
+    "d_ff:model; heads:model; vocab:model; embed:data",  # 2-D weights, batch replicated
+]
+STEPS = 3
+
+
+def _train(rules: str, mesh):
+    layout = layout_lib.Layout.create(rules, dict(mesh.shape))
+    tx = optax.adam(1e-2)
+    build_fn = functools.partial(build, TINY, SPEC)
+    graphdef, state, shardings = trainer.init_state(build_fn, tx, 0, layout, mesh)
+    bs = batch_shardings(SPEC, layout, mesh)
+    step = trainer.make_train_step(graphdef, tx, layout, mesh, shardings, bs)
+    losses = []
+    for i in range(STEPS):
+        batch = {k: jax.device_put(v, bs[k]) for k, v in _batch(i).items()}
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return layout, state, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return mesh_lib.build_mesh("data:4,model:2")
+
+
+@pytest.fixture(scope="module")
+def runs(mesh):
+    return {rules: _train(rules, mesh) for rules in LAYOUTS}
+
+
+def test_mtf_layout_splits_weights(runs):
+    layout, state, _ = runs[LAYOUTS[0]]
+    split = 0
+    for path, var in nnx.to_flat_state(state.params):
+        dims, arr = var.get_metadata()["dims"], var[...]
+        local = arr.addressable_shards[0].data.shape
+        want = tuple(n // (2 if d in ("d_ff", "heads", "vocab") else 1) for n, d in zip(arr.shape, dims))
+        assert local == want, (path, dims, arr.shape, local)
+        split += local != arr.shape
+    assert split == 8  # wq wk wv wo w_in w_out embed unembed: every d_ff/heads/vocab weight
+
+
+def test_layouts_change_placement_not_math(runs):
+    # float32; differences are only reduction order in sharded contractions (~1e-7 relative)
+    reference = runs[LAYOUTS[1]][2]
+    assert reference[-1] < reference[0]
+    for rules, (_, _, losses) in runs.items():
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, err_msg=rules)
+
+
+def test_batch_and_embed_cannot_share_an_axis(mesh):
+    with pytest.raises(layout_lib.LayoutError, match="'batch' and 'embed'"):
+        _train("batch:data; embed:data", mesh)
