@@ -5,6 +5,11 @@ order of a permutation seeded by ``(seed, e)``, and each batch is the next ``bat
 rows of it (the tail that does not fill a batch is dropped). Resuming at step ``s`` therefore
 needs nothing but ``s``. Each process reads only ``rows`` of every global batch: the rows its
 own devices hold, so a multi-host run never reads a row twice.
+
+With ``reuse_buffers`` the loader reads into a pool of 64-byte-aligned host buffers instead of
+allocating every batch. A buffer goes back to the pool only when the caller says the placed
+batch does not alias it: on CPU, placement may wrap an aligned host buffer instead of copying
+it, and overwriting that buffer would silently change a batch already on the "device".
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ from input_pipeline.errors import DataError
 
 
 class HostLoader:
-    def __init__(self, source, batch_size: int, seed: int, rows: slice | None = None, shuffle: bool = True):
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        seed: int,
+        rows: slice | None = None,
+        shuffle: bool = True,
+        reuse_buffers: bool = False,
+    ):
+        if reuse_buffers and not hasattr(source, "read_into"):
+            raise ValueError(f"{type(source).__name__} cannot read into reused buffers (it has no read_into)")
         if len(source) < batch_size:
             raise DataError(f"split has {len(source)} examples, fewer than one batch of {batch_size}")
         self.source = source
@@ -27,6 +42,9 @@ class HostLoader:
         self.shuffle = shuffle
         self.batches_per_epoch = len(source) // batch_size
         self._epoch, self._order = -1, np.arange(0)
+        self.reuse_buffers = reuse_buffers
+        self._free: list[dict[str, np.ndarray]] = []  # host buffers no placed batch aliases
+        self.allocated = 0  # buffer sets ever allocated (a pool that never recycles keeps growing)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -43,10 +61,32 @@ class HostLoader:
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step`: ``{field: [rows, ...]}``."""
-        return self.source.read(self.indices(step))
+        indices = self.indices(step)
+        if not self.reuse_buffers:
+            return self.source.read(indices)
+        out = self._free.pop() if self._free else self._allocate(len(indices))
+        self.source.read_into(indices, out)
+        return out
+
+    def recycle(self, batch: dict[str, np.ndarray], aliased: bool) -> None:
+        """Hand `batch`'s buffers back for reuse, unless the placed batch aliases them."""
+        if self.reuse_buffers and not aliased:
+            self._free.append(batch)
+
+    def _allocate(self, rows: int) -> dict[str, np.ndarray]:
+        self.allocated += 1
+        return {k: aligned_empty((rows, *shape), dtype) for k, (shape, dtype) in self.source.element_spec.items()}
 
     def iterate(self, start: int = 0, stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         step = start
         while stop is None or step < stop:
             yield self.batch(step)
             step += 1
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)

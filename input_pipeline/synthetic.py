@@ -35,3 +35,8 @@ class SyntheticSource:
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         return {"inputs": self.inputs[indices], "targets": self.targets[indices]}
+
+    def read_into(self, indices: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """`read` into preallocated arrays (the loader's reused host buffers)."""
+        np.take(self.inputs, indices, axis=0, out=out["inputs"])
+        np.take(self.targets, indices, axis=0, out=out["targets"])

@@ -59,7 +59,10 @@ class FeedConfig:
     # the mesh's first device, which then hands out slices (Mesh TensorFlow's GPU path).
     mode: Literal["direct", "routed"] = "direct"
     # Batches kept already placed on the devices ahead of the step (0 = place on demand).
-    prefetch: int = dataclasses.field(default=0, metadata=_min(0))
+    prefetch: int = dataclasses.field(default=2, metadata=_min(0))
+    # Read host batches into a pool of reused aligned buffers (synthetic source only); a buffer
+    # that a placed batch aliases (CPU zero-copy) is never reused.
+    reuse_buffers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected an integer, got {_describe(value)}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {_describe(value)}")
         return float(value)
@@ -186,9 +194,12 @@ def build(cls: type, raw: Any, key: str) -> Any:
         sub = f"{key}.{name}" if key else name
         kwargs[name] = _coerce(hints[name], value, sub)
         lo = fields[name].metadata.get("min")
-        # `not >=` rather than `<`: a NaN (YAML .nan) compares false both ways and must not pass.
-        if lo is not None and not kwargs[name] >= lo:
-            raise ConfigError(sub, f"must be >= {lo}, got {kwargs[name]}")
+        values = kwargs[name] if isinstance(kwargs[name], tuple) else (kwargs[name],)  # a bound applies per item
+        for i, v in enumerate(values):
+            # `not >=` rather than `<`: a NaN (YAML .nan) compares false both ways and must not pass.
+            if lo is not None and not v >= lo:
+                where = f"{sub}[{i}]" if isinstance(kwargs[name], tuple) else sub
+                raise ConfigError(where, f"must be >= {lo}, got {v}")
     return cls(**kwargs)
 
 
@@ -248,9 +259,11 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(item, "override is not 'section.key=value'")
+        # ValueError too: PyYAML's constructors let it through for `2001-13-45`, `!!int x`, or an
+        # integer over Python's 4300-digit limit.
         try:
             value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError) as e:
             raise ConfigError(key, f"value {text!r} is not valid YAML ({str(e).splitlines()[0]})") from None
         node = raw
         parts = key.strip().split(".")
@@ -275,9 +288,11 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError("config", f"file not found: {path}") from None
     except OSError as e:
         raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a ValueError, not an OSError: e.g. a binary file
+        raise ConfigError("config", f"cannot read {path}: not {e.encoding} text ({e.reason} at byte {e.start})") from None
     try:
         raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: see apply_overrides
         raise ConfigError("config", f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     # Only an empty file means {}: a top-level list or scalar must not reach apply_overrides'
     # dict(), which raises TypeError/ValueError for it (or turns a list of pairs into a mapping).

@@ -8,8 +8,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from input_pipeline.batching import HostLoader
 from input_pipeline.feeding import FEEDERS, Feeder, process_rows
+from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
-from meshpar.config import Config, DataConfig
+from meshpar.config import Config, ConfigError, DataConfig
 from meshpar.layout import Layout
 
 
@@ -20,6 +21,18 @@ class Inputs:
     train: HostLoader
     eval: HostLoader | None
     feeder: Feeder
+    prefetch: int
+
+    def batches(self, start: int, stop: int) -> Prefetcher:
+        """Placed train batches ``start..stop-1``, ``prefetch`` ahead (use as a context manager)."""
+
+        def produce(step: int):
+            host = self.train.batch(step)
+            arrays, info = self.feeder.place(host)
+            self.train.recycle(host, info.aliased)
+            return arrays, info
+
+        return Prefetcher(produce, start, stop, self.prefetch)
 
 
 def make_source(data: DataConfig, split: str, seed: int):
@@ -46,8 +59,11 @@ def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
     shardings = batch_shardings(spec, layout, mesh)
     first = next(iter(shardings.values()))
     rows = process_rows(first, (cfg.train.batch_size, *spec[next(iter(spec))][0]))
-    train = HostLoader(train_source, cfg.train.batch_size, cfg.train.seed, rows)
+    reuse = cfg.feed.reuse_buffers
+    if reuse and not hasattr(train_source, "read_into"):
+        raise ConfigError("feed.reuse_buffers", f"the {cfg.data.source} source cannot read into reused buffers")
+    train = HostLoader(train_source, cfg.train.batch_size, cfg.train.seed, rows, reuse_buffers=reuse)
     eval_source = make_source(cfg.data, "eval", cfg.train.seed)
     evaluation = eval_source and HostLoader(eval_source, cfg.train.batch_size, cfg.train.seed, rows, shuffle=False)
     feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)
-    return Inputs(spec, shardings, train, evaluation, feeder)
+    return Inputs(spec, shardings, train, evaluation, feeder, cfg.feed.prefetch)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 import pathlib
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 
 class MetricsWriter:
@@ -48,3 +51,46 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+class RunStats:
+    """Per-step timings of a run: windows for metrics.jsonl, medians for summary.json.
+
+    ``step_time_s`` is the wall time between consecutive step completions (so it includes any
+    wait for input); ``wait_s`` is how long the step waited for its batch (input stall);
+    ``place_s`` is how long placing that batch on the devices took (in the background when
+    prefetching). The first step includes compilation and is left out of the summary.
+    """
+
+    def __init__(self):
+        self.rows: list[tuple[float, float, float]] = []
+        self._window_start = 0
+
+    def add(self, step_time_s: float, wait_s: float, place_s: float) -> None:
+        self.rows.append((step_time_s, wait_s, place_s))
+
+    def window(self) -> dict[str, float]:
+        """Means over the steps since the previous call."""
+        rows, self._window_start = self.rows[self._window_start :], len(self.rows)
+        step, wait, place = (statistics.fmean(col) for col in zip(*rows))
+        return {"step_time_s": step, "feed_time_s": wait, "place_time_s": place}
+
+    def write(self, workdir: str | pathlib.Path) -> None:
+        """Every step's timings, as columns, to ``<workdir>/step_times.json``."""
+        columns = dict(zip(("step_time_s", "wait_s", "place_s"), (list(c) for c in zip(*self.rows))))
+        (pathlib.Path(workdir) / "step_times.json").write_text(json.dumps(columns) + "\n")
+
+    def summary(self) -> dict[str, float | None]:
+        if not self.rows:
+            return {}
+        steady = self.rows[1:] or self.rows
+        step, wait, place = (list(col) for col in zip(*steady))
+        return {
+            "first_step_time_s": self.rows[0][0],
+            "mean_step_time_s": statistics.fmean(step),
+            "median_step_time_s": statistics.median(step),
+            "median_feed_time_s": statistics.median(wait),
+            "median_place_time_s": statistics.median(place),
+            "p90_place_time_s": float(np.percentile(place, 90)),
+            "stall_fraction": sum(wait) / sum(step),
+        }

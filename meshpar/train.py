@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
 import sys
 import time
 
@@ -24,7 +23,8 @@ from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar import trainer
 from meshpar.config import Config, ConfigError
-from meshpar.metrics import MetricsWriter, write_summary
+from meshpar.memory import PeakTracker
+from meshpar.metrics import MetricsWriter, RunStats, write_summary
 from meshpar.models import MODELS
 
 
@@ -78,7 +78,7 @@ def evaluate(exp: Experiment, state: trainer.TrainState) -> dict[str, float]:
     """Mean eval metrics over the first ``train.eval_batches`` batches of the eval split."""
     rows = []
     for i in range(min(exp.cfg.train.eval_batches, exp.inputs.eval.batches_per_epoch)):
-        batch = exp.inputs.feeder.place(exp.inputs.eval.batch(i))
+        batch, _ = exp.inputs.feeder.place(exp.inputs.eval.batch(i))
         rows.append(jax.device_get(exp.eval_step(state.params, batch)))
     return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
@@ -96,67 +96,67 @@ def _progress(enabled: bool) -> Progress:
 
 def train(exp: Experiment) -> dict:
     """The train loop. Returns the summary (also written to ``<workdir>/summary.json``)."""
-    cfg, inputs = exp.cfg, exp.inputs
-    state, batch_size = exp.state, cfg.train.batch_size
-    writer = MetricsWriter(cfg.workdir)
-    step_times, feed_times, losses, window, last_eval = [], [], [], [], {}
-    with _progress(cfg.train.progress) as progress:
+    cfg, inputs, state = exp.cfg, exp.inputs, exp.state
+    writer, stats, memory = MetricsWriter(cfg.workdir), RunStats(), PeakTracker(exp.mesh.devices.flat, inputs.feeder.live_bytes)
+    losses, last_eval, placement = [], {}, None
+    with _progress(cfg.train.progress) as progress, inputs.batches(int(state.step), cfg.train.steps) as batches:
         task = progress.add_task("train", total=cfg.train.steps, loss=float("nan"), eps=0.0, extra="")
-        for step in range(int(state.step), cfg.train.steps):
-            start = time.perf_counter()
-            batch = inputs.feeder.place(inputs.train.batch(step))
-            fed = time.perf_counter()
-            state, metrics = exp.train_step(state, batch)
+        last = time.perf_counter()
+        for fed in batches:
+            state, metrics = exp.train_step(state, fed.arrays)
             loss = float(metrics["loss"])  # waits for the step: step times are real, not dispatch times
-            end = time.perf_counter()
+            now, done, placement = time.perf_counter(), fed.step + 1, fed.info
             if not np.isfinite(loss):
-                raise TrainingError(f"step {step + 1}: loss is {loss}")
-            step_times.append(end - start)
-            feed_times.append(fed - start)
+                raise TrainingError(f"step {done}: loss is {loss}")
+            stats.add(now - last, fed.wait_s, placement.seconds)
             losses.append(loss)
-            window.append((end - start, fed - start))
-            done = step + 1
             if cfg.train.eval_every and inputs.eval and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 last_eval = evaluate(exp, state)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                step_s = statistics.fmean(t for t, _ in window)
-                row = {
-                    "loss": loss,
-                    "step_time_s": step_s,
-                    "feed_time_s": statistics.fmean(f for _, f in window),
-                    "place_time_s": inputs.feeder.last.seconds,
-                    "examples_per_s": batch_size / step_s,
-                    **{k: float(v) for k, v in jax.device_get(metrics).items() if k != "loss"},
-                    **last_eval,
-                }
+                memory.sample()
+                row = {"loss": loss, **stats.window(), **_scalars(metrics), **last_eval}
+                row["examples_per_s"] = cfg.train.batch_size / row["step_time_s"]
                 writer.write(done, row)
-                window.clear()
-                extra = f"eval {last_eval['eval_loss']:.4f}" if last_eval else ""
-                progress.update(task, loss=loss, eps=row["examples_per_s"], extra=extra)
+                progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
             progress.update(task, completed=done)
+            last = time.perf_counter()
     writer.close()
-    steady = step_times[1:] or step_times  # the first step includes compilation
-    summary = {
+    exp.state = state
+    summary = _summary(exp, losses, last_eval, stats, placement, memory)
+    write_summary(cfg.workdir, summary)
+    stats.write(cfg.workdir)
+    return summary
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items() if k != "loss"}
+
+
+def _eval_text(last_eval: dict) -> str:
+    return f"eval {last_eval['eval_loss']:.4f}" if last_eval else ""
+
+
+def _summary(exp: Experiment, losses, last_eval, stats: RunStats, placement, memory: PeakTracker) -> dict:
+    cfg, timing = exp.cfg, stats.summary()
+    return {
         "steps": cfg.train.steps,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         **{f"final_{k}": v for k, v in last_eval.items()},
-        "mean_step_time_s": statistics.fmean(steady) if steady else None,
-        "median_step_time_s": statistics.median(steady) if steady else None,
-        "first_step_time_s": step_times[0] if step_times else None,
-        "median_feed_time_s": statistics.median(feed_times[1:] or feed_times) if feed_times else None,
-        "examples_per_s": batch_size / statistics.median(steady) if steady else None,
+        **timing,
+        "examples_per_s": cfg.train.batch_size / timing["median_step_time_s"] if timing else None,
         "feed_mode": cfg.feed.mode,
-        "relay_input_bytes": inputs.feeder.last.relay_bytes,
-        "batch_input_bytes": inputs.feeder.last.total_bytes,
+        "prefetch": cfg.feed.prefetch,
+        "relay_device": exp.inputs.feeder.relay.id,
+        "relay_input_bytes": placement.relay_bytes if placement else None,
+        "batch_input_bytes": placement.total_bytes if placement else None,
+        "host_buffer_aliased": placement.aliased if placement else None,
+        "input_memory": memory.report(),
         "mesh": mesh_lib.describe(exp.mesh),
         "layout": str(exp.layout),
         "devices": [str(d) for d in exp.mesh.devices.flat],
         "config": config_lib.to_dict(cfg),
     }
-    write_summary(cfg.workdir, summary)
-    exp.state = state
-    return summary
 
 
 def run(cfg: Config) -> dict:

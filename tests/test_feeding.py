@@ -24,8 +24,8 @@ def test_direct_and_routed_give_equal_arrays_and_shardings(mesh_spec, spec):
     mesh = build_mesh(mesh_spec)
     batch = _batch()
     shardings = {"inputs": NamedSharding(mesh, P(*spec, None)), "targets": NamedSharding(mesh, spec)}
-    direct = DirectFeeder(shardings, 64).place(batch)
-    routed = RoutedFeeder(shardings, 64).place(batch)
+    direct, _ = DirectFeeder(shardings, 64).place(batch)
+    routed, _ = RoutedFeeder(shardings, 64).place(batch)
     for key, rows in batch.items():
         assert direct[key].sharding == routed[key].sharding == shardings[key]
         np.testing.assert_array_equal(np.asarray(direct[key]), rows)
@@ -42,10 +42,10 @@ def test_relay_receives_whole_batch_only_when_routed(data):
     batch = _batch()
     total = sum(v.nbytes for v in batch.values())
     direct, routed = DirectFeeder(shardings, 64), RoutedFeeder(shardings, 64)
-    direct.place(batch)
-    routed.place(batch)
-    assert routed.last.relay_bytes == total == routed.last.total_bytes
-    assert direct.last.relay_bytes * data == total
+    _, direct_info = direct.place(batch)
+    _, routed_info = routed.place(batch)
+    assert routed_info.relay_bytes == total == routed_info.total_bytes
+    assert direct_info.relay_bytes * data == total
     assert direct.relay == routed.relay == mesh.devices.flat[0]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from meshpar import config, train
+from meshpar.metrics import read_jsonl
 
 
 def _cfg(**sections):
@@ -31,9 +32,7 @@ def _run(cfg, tmp_path, name):
 
 
 def _rows(path):
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def test_routed_and_direct_train_bit_identically(tmp_path):

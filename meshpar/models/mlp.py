@@ -25,7 +25,7 @@ from meshpar.layout import constrain
 class MLPConfig:
     name: Literal["mlp"] = "mlp"
     # Widths of the hidden layers, in order; their dims are named hidden, hidden_2, ...
-    hidden: tuple[int, ...] = (512,)
+    hidden: tuple[int, ...] = dataclasses.field(default=(512,), metadata={"min": 1})
     # Output classes ("classes" dim); must match the data's labels.
     num_classes: int = dataclasses.field(default=10, metadata={"min": 2})
     activation: Literal["relu", "gelu", "tanh"] = "relu"
@@ -49,8 +49,6 @@ class Dense(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: MLPConfig, num_features: int, *, rngs: nnx.Rngs):
-        if any(w < 1 for w in cfg.hidden):
-            raise ValueError(f"hidden widths must be positive, got {list(cfg.hidden)}")
         dims = ["pixels", *(hidden_dim(i) for i in range(len(cfg.hidden))), "classes"]
         widths = [num_features, *cfg.hidden, cfg.num_classes]
         self.dims = tuple(dims)
