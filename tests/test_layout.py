@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,22 +267,33 @@ def test_constrain_raises_layout_error_on_conflict(mesh):
 # Sharded initialisation of the MLP: each device holds exactly its slice.
 
 
+@dataclasses.dataclass
+class _Initialised:
+    mesh: object
+    layout: Layout
+    state: object
+
+
 @pytest.fixture(scope="module")
-def mlp_experiment(tmp_path_factory):
+def mlp_experiment():
+    """The MLP's train state after sharded initialisation, wired as ``meshpar.train.build`` does
+    (config → mesh → layout → check_params → init_state), without the input pipeline."""
     from meshpar import config as config_lib
-    from meshpar import train as train_lib
+    from meshpar import trainer
+    from meshpar.models import MODELS
 
     cfg = config_lib.from_dict(
-        {
-            "mesh": "data:4,model:2",
-            "layout": "batch:data; hidden:model",
-            "model": {"name": "mlp", "hidden": [64, 32]},
-            "data": {"num_examples": 64, "num_eval_examples": 0, "num_features": 784},
-            "train": {"batch_size": 16, "steps": 1, "progress": False},
-            "workdir": str(tmp_path_factory.mktemp("wd")),
-        }
+        {"mesh": "data:4,model:2", "layout": "batch:data; hidden:model", "model": {"name": "mlp", "hidden": [64, 32]}}
     )
-    return train_lib.build(cfg)
+    mesh = build_mesh(cfg.mesh)
+    lay = Layout.create(cfg.layout, dict(mesh.shape))
+    element_spec = {"inputs": ((28, 28), np.float32), "targets": ((), np.int32)}  # 784 pixels
+    build_model = functools.partial(MODELS["mlp"].build, cfg.model, element_spec)
+    _, abstract_params = trainer.abstract_model(build_model)
+    trainer.check_params(abstract_params, lay)
+    tx = trainer.make_optimizer(cfg.optimizer, cfg.train.steps)
+    _, state, _ = trainer.init_state(build_model, tx, 0, lay, mesh)
+    return _Initialised(mesh, lay, state)
 
 
 def _model_index(mesh) -> dict:
@@ -330,3 +344,17 @@ def test_mlp_other_params_follow_their_dims(mlp_experiment):
         arr = layers[i][name][...]
         assert arr.sharding.is_equivalent_to(NamedSharding(mesh, spec), arr.ndim), (i, name, arr.sharding)
         assert {s.data.shape for s in arr.addressable_shards} == {shard_shape}, (i, name)
+
+
+def test_check_params_names_the_parameter():
+    from meshpar import trainer
+    from meshpar.models import MODELS
+    from meshpar.models.mlp import MLPConfig
+
+    lay = Layout.create("batch:data; hidden:model", SIZES)
+    build_model = functools.partial(MODELS["mlp"].build, MLPConfig(hidden=(101,)), {"inputs": ((784,), np.float32)})
+    _, abstract_params = trainer.abstract_model(build_model)
+    with pytest.raises(LayoutError) as e:
+        trainer.check_params(abstract_params, lay)
+    # The first offending parameter in flat-state order (layers/0/bias or layers/0/kernel).
+    expect(e, "parameter layers/0/", "dim 'hidden'", "size 101", "mesh axis 'model'", "size 2")
