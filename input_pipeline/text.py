@@ -48,7 +48,9 @@ class TextWindows:
         if stream.ndim != 1:
             raise DataError(f"{what}: token stream must be 1-D, got shape {stream.shape}")
         if stream.size < length + 1:
-            raise DataError(f"{what} has {stream.size} tokens, fewer than one window of {length + 1} (length {length} + 1)")
+            raise DataError(
+                f"{what} has {stream.size} tokens, fewer than one window of {length + 1} (length {length} + 1)"
+            )
         self.tokens, self.length, self.what = stream, length, what
         self._len = (stream.size - 1) // length
 
@@ -153,4 +155,5 @@ def from_tfds(name: str, split: str, data_dir: str, feature: str = "text", *, le
     if dtype != np.dtype(object) or shape != ():
         raise DataError(f"feature {feature!r} of dataset {name!r} is not a Text feature (shape={shape}, dtype={dtype})")
     rows = src.read(np.arange(len(src)))["text"]
-    return TextWindows(tokenize_bytes(list(rows)), length, what=f"split {split!r} of tfds dataset {name!r} feature {feature!r}")
+    what = f"split {split!r} of tfds dataset {name!r} feature {feature!r}"
+    return TextWindows(tokenize_bytes(list(rows)), length, what=what)

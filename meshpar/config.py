@@ -37,8 +37,10 @@ def _min(n: float) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # Where examples come from: synthetic (seeded teacher-network task), tfds (array_record on disk).
-    source: Literal["synthetic", "tfds"] = "synthetic"
+    # Where examples come from: synthetic (seeded teacher-network task), tfds (array_record on
+    # disk), text (byte-level windows of a directory of .py files; default the Python standard
+    # library), tfds_text (byte-level windows of a tfds Text feature).
+    source: Literal["synthetic", "tfds", "text", "tfds_text"] = "synthetic"
     # synthetic: train / eval rows, input width ("pixels") and number of classes.
     num_examples: int = dataclasses.field(default=16384, metadata=_min(1))
     num_eval_examples: int = dataclasses.field(default=2048, metadata=_min(0))
@@ -51,6 +53,15 @@ class DataConfig:
     split: str = "train"
     eval_split: str = ""
     fields: dict[str, str] = dataclasses.field(default_factory=lambda: {"inputs": "image", "targets": "label"})
+    # text / tfds_text: tokens per example window ("length"), the corpus ("" = the Python
+    # standard library's own sources), the share of files held out for eval (chosen by a hash
+    # of each file's path, so a file is never in both), a cap on bytes read per split (0 = all),
+    # and the tfds Text feature to read.
+    length: int = dataclasses.field(default=128, metadata=_min(1))
+    corpus_dir: str = ""
+    eval_fraction: float = dataclasses.field(default=0.05, metadata=_min(0.0))
+    max_bytes: int = dataclasses.field(default=0, metadata=_min(0))
+    text_feature: str = "text"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +108,13 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+    # Peak TFLOP/s per device for MFU; 0 = built-in bf16 figure for H100/H200/A100, or on CPU
+    # a matmul measured at start.
+    peak_tflops: float = dataclasses.field(default=0.0, metadata=_min(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     # Device mesh: "data:4,model:2", or a mapping; one axis may be -1 (= the remaining devices).
     mesh: tuple[tuple[str, int], ...] = (("data", -1),)
@@ -107,6 +125,7 @@ class Config:
     feed: FeedConfig = FeedConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
+    hardware: HardwareConfig = HardwareConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
 
@@ -246,10 +265,13 @@ def check(cfg: Config) -> None:
             raise ConfigError(
                 "train.batch_size", f"{t.batch_size} is not divisible by mesh axis '{data_axis}' of size {n} (layout batch:{data_axis})"
             )
-    if cfg.data.source == "tfds" and not cfg.data.name:
-        raise ConfigError("data.name", "required when data.source is tfds")
-    if cfg.data.source == "tfds" and not cfg.data.data_dir:
-        raise ConfigError("data.data_dir", "required when data.source is tfds (data is read offline)")
+    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.name:
+        raise ConfigError("data.name", f"required when data.source is {cfg.data.source}")
+    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.data_dir:
+        raise ConfigError("data.data_dir", f"required when data.source is {cfg.data.source} (data is read offline)")
+    max_length = getattr(cfg.model, "max_length", None)
+    if cfg.data.source in ("text", "tfds_text") and max_length is not None and cfg.data.length > max_length:
+        raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
 
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:

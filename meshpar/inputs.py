@@ -45,6 +45,17 @@ def make_source(data: DataConfig, split: str, seed: int):
 
         name = data.split if split == "train" else data.eval_split
         return TfdsSource(data.name, name, data.data_dir, dict(data.fields)) if name else None
+    if data.source == "text":
+        from input_pipeline.text import TextSource
+
+        if split == "eval" and data.eval_fraction == 0:
+            return None
+        return TextSource(split, data.length, data.corpus_dir or None, data.eval_fraction, data.max_bytes or None)
+    if data.source == "tfds_text":
+        from input_pipeline.text import from_tfds
+
+        name = data.split if split == "train" else data.eval_split
+        return from_tfds(data.name, name, data.data_dir, data.text_feature, length=data.length) if name else None
     raise ValueError(f"unknown data source {data.source!r}")
 
 

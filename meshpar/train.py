@@ -21,7 +21,7 @@ from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
-from meshpar import trainer
+from meshpar import throughput, trainer
 from meshpar.config import Config, ConfigError
 from meshpar.memory import PeakTracker
 from meshpar.metrics import MetricsWriter, RunStats, write_summary
@@ -43,6 +43,10 @@ class Experiment:
     state: trainer.TrainState
     train_step: object
     eval_step: object
+    flops_per_example: float  # model FLOPs of one training example (forward + backward)
+    tokens_per_example: int
+    peak_tflops: float  # per device, for MFU
+    peak_source: str
 
 
 def build(cfg: Config) -> Experiment:
@@ -62,7 +66,10 @@ def build(cfg: Config) -> Experiment:
     if num_classes is not None and getattr(cfg.model, "num_classes", num_classes) != num_classes:
         raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
     build_model = functools.partial(family.build, cfg.model, inputs.element_spec)
-    _, abstract_params = trainer.abstract_model(build_model)
+    try:
+        _, abstract_params = trainer.abstract_model(build_model)
+    except ValueError as e:  # the model's own checks (e.g. length beyond max_length)
+        raise ConfigError("model", str(e)) from None
     try:
         trainer.check_params(abstract_params, layout)
     except layout_lib.LayoutError as e:
@@ -71,7 +78,17 @@ def build(cfg: Config) -> Experiment:
     graphdef, state, shardings = trainer.init_state(build_model, tx, cfg.train.seed, layout, mesh)
     train_step = trainer.make_train_step(graphdef, tx, layout, mesh, shardings, inputs.shardings)
     eval_step = trainer.make_eval_step(graphdef, layout, mesh, shardings.params, inputs.shardings)
-    return Experiment(cfg, mesh, layout, inputs, state, train_step, eval_step)
+    peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops)
+    flops = family.flops_per_example(cfg.model, inputs.element_spec)
+    tokens = family.tokens_per_example(cfg.model, inputs.element_spec)
+    return Experiment(cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source)
+
+
+def rates(exp: Experiment, step_time_s: float) -> dict[str, float]:
+    """examples/s, tokens/s, model TFLOP/s per device and MFU for one step of `step_time_s`."""
+    batch = exp.cfg.train.batch_size
+    out = throughput.rates(exp.flops_per_example, exp.tokens_per_example, batch, step_time_s, exp.mesh.size, exp.peak_tflops)
+    return {"examples_per_s": batch / step_time_s, **out}
 
 
 def evaluate(exp: Experiment, state: trainer.TrainState) -> dict[str, float]:
@@ -110,12 +127,13 @@ def train(exp: Experiment) -> dict:
                 raise TrainingError(f"step {done}: loss is {loss}")
             stats.add(now - last, fed.wait_s, placement.seconds)
             losses.append(loss)
-            if cfg.train.eval_every and inputs.eval and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            evaluated = bool(cfg.train.eval_every and inputs.eval) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+            if evaluated:
                 last_eval = evaluate(exp, state)
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            if evaluated or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 memory.sample()
-                row = {"loss": loss, **stats.window(), **_scalars(metrics), **last_eval}
-                row["examples_per_s"] = cfg.train.batch_size / row["step_time_s"]
+                row = {"loss": loss, **stats.window(), **_scalars(metrics), **(last_eval if evaluated else {})}
+                row.update(rates(exp, row["step_time_s"]))
                 writer.write(done, row)
                 progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
             progress.update(task, completed=done)
@@ -144,7 +162,11 @@ def _summary(exp: Experiment, losses, last_eval, stats: RunStats, placement, mem
         "final_loss": losses[-1] if losses else None,
         **{f"final_{k}": v for k, v in last_eval.items()},
         **timing,
-        "examples_per_s": cfg.train.batch_size / timing["median_step_time_s"] if timing else None,
+        **(rates(exp, timing["median_step_time_s"]) if timing else {}),
+        "model_flops_per_example": exp.flops_per_example,
+        "tokens_per_example": exp.tokens_per_example,
+        "peak_tflops_per_device": exp.peak_tflops,
+        "peak_tflops_source": exp.peak_source,
         "feed_mode": cfg.feed.mode,
         "prefetch": cfg.feed.prefetch,
         "relay_device": exp.inputs.feeder.relay.id,
@@ -181,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
-        f"{summary['examples_per_s']:,.0f} examples/s, feed={summary['feed_mode']}, mesh {summary['mesh']}, "
+        f"{summary['examples_per_s']:,.0f} examples/s, {summary['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {summary['mfu']:.1%}, feed={summary['feed_mode']}, mesh {summary['mesh']}, "
         f"workdir {summary['config']['workdir']}"
     )
     return 0

@@ -263,7 +263,7 @@ def test_literal_choices(raw, key, substrings):
 @pytest.mark.parametrize(
     "raw, key, substrings",
     [
-        ({"model": {"name": "transformer"}}, "model.name", ["'transformer'", "not a model", "mlp"]),
+        ({"model": {"name": "gpt"}}, "model.name", ["'gpt'", "not a model", "mlp", "transformer"]),
         ({"model": {"hidden": [8]}}, "model.name", ["None", "mlp"]),
         ({"model": {"name": ["mlp"]}}, "model.name", ["['mlp']", "not a model"]),  # unhashable
         ({"model": {"name": {"a": 1}}}, "model.name", ["not a model"]),

@@ -1,27 +1,38 @@
 """Model families, picked by ``model.name`` from a plain dict.
 
-A family is its config dataclass (validated from the ``model`` section) and a ``build``
-function ``(config, element_spec, rngs) -> nnx.Module``; ``element_spec`` maps each batch
-field to its per-example ``(shape, dtype)``, so a model sizes its input from the data.
-Every model has ``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, which is
-all the train step calls.
+A family is its config dataclass (validated from the ``model`` section), a ``build`` function
+``(config, element_spec, rngs) -> nnx.Module`` (``element_spec`` maps each batch field to its
+per-example ``(shape, dtype)``, so a model sizes its input from the data), and the model
+FLOPs and tokens of one training example, for throughput and MFU. Every model has
+``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, which is all the train step calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
-from meshpar.models import mlp
+from meshpar.models import mlp, transformer
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     config: type
     build: Callable[..., Any]
+    flops_per_example: Callable[[Any, dict], float]  # training FLOPs (forward + backward)
+    tokens_per_example: Callable[[Any, dict], int]
+
+
+def _lm_flops(cfg: transformer.TransformerConfig, spec: dict) -> float:
+    (length,), _ = spec["inputs"]
+    return transformer.flops_per_token(cfg, length) * length
 
 
 MODELS: dict[str, Family] = {
-    "mlp": Family(mlp.MLPConfig, mlp.build),
+    "mlp": Family(mlp.MLPConfig, mlp.build, mlp.flops_per_example, lambda cfg, spec: 1),
+    "transformer": Family(
+        transformer.TransformerConfig, transformer.build, _lm_flops, lambda cfg, spec: math.prod(spec["inputs"][0])
+    ),
 }

@@ -74,3 +74,10 @@ class MLP(nnx.Module):
 def build(cfg: MLPConfig, element_spec: dict, rngs: nnx.Rngs) -> MLP:
     shape, _ = element_spec["inputs"]
     return MLP(cfg, math.prod(shape), rngs=rngs)
+
+
+def flops_per_example(cfg: MLPConfig, element_spec: dict) -> float:
+    """Training FLOPs of one example: 6 per weight (2 forward, 4 backward); biases ignored."""
+    shape, _ = element_spec["inputs"]
+    widths = [math.prod(shape), *cfg.hidden, cfg.num_classes]
+    return float(6 * sum(a * b for a, b in zip(widths, widths[1:])))

@@ -34,7 +34,6 @@ Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax
