@@ -108,6 +108,20 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    # Save the train state and input position every this many steps, at the end, and on
+    # SIGINT/SIGTERM (orbax, async). 0 = no checkpoints at all.
+    every: int = dataclasses.field(default=0, metadata=_min(0))
+    # Checkpoints kept, oldest deleted first (0 = all).
+    keep: int = dataclasses.field(default=3, metadata=_min(0))
+    # Folder ("" = <workdir>/checkpoints).
+    dir: str = ""
+    # never: start from scratch; auto: continue from the newest complete checkpoint, if any
+    # (the CLI's --resume sets auto). The mesh and layout may differ from the saved run's.
+    resume: Literal["never", "auto"] = "never"
+
+
+@dataclasses.dataclass(frozen=True)
 class HardwareConfig:
     # Peak TFLOP/s per device for MFU; 0 = built-in bf16 figure for H100/H200/A100, or on CPU
     # a matmul measured at start.
@@ -125,6 +139,7 @@ class Config:
     feed: FeedConfig = FeedConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     hardware: HardwareConfig = HardwareConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
@@ -132,6 +147,10 @@ class Config:
     @property
     def mesh_str(self) -> str:
         return ",".join(f"{a}:{n}" for a, n in self.mesh)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(pathlib.Path(self.workdir) / "checkpoints")
 
     @property
     def layout_str(self) -> str:

@@ -14,12 +14,18 @@ import numpy as np
 class MetricsWriter:
     """Appends one JSON line per logged step and mirrors the scalars to TensorBoard under ``tb/``."""
 
-    def __init__(self, workdir: str | pathlib.Path):
+    def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
+        """A run starting at `start_step` (a resumed one) keeps the rows up to that step and
+        drops later ones, which a killed run wrote after its last checkpoint; a fresh run
+        (step 0) starts the file anew."""
         from tensorboardX import SummaryWriter  # protobuf-only event writer; no TensorFlow
 
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.workdir / "metrics.jsonl", "a")
+        path = self.workdir / "metrics.jsonl"
+        kept = [r for r in read_jsonl(path) if r["step"] <= start_step] if start_step and path.exists() else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._jsonl = open(path, "a")
         self._tb = SummaryWriter(str(self.workdir / "tb"))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import signal
+import threading
 import sys
 import time
 
@@ -18,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from input_pipeline.errors import DataError
 from meshpar import config as config_lib
+from meshpar.checkpoint import CheckpointError, Checkpointer
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
@@ -47,6 +50,54 @@ class Experiment:
     tokens_per_example: int
     peak_tflops: float  # per device, for MFU
     peak_source: str
+    checkpointer: Checkpointer | None = None
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived; the state was checkpointed at `step` and the run stopped."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+        self.signum, self.step, self.saved = signum, step, saved
+
+
+class _StopSignals:
+    """Turns the first SIGINT/SIGTERM into a flag the loop checks after each step (a second
+    one acts as usual), so a stop never lands in the middle of a step or a save."""
+
+    def __enter__(self):
+        self.signum = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        signal.signal(signum, self._previous[signum])
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def position(cfg: Config, next_batch: int) -> dict:
+    """The input pipeline's position: batch `next_batch` comes next (batches are a pure function
+    of seed and index, so this is all a resumed run needs, plus what must not change)."""
+    return {"next_batch": next_batch, "seed": cfg.train.seed, "batch_size": cfg.train.batch_size}
+
+
+def _restore(cfg: Config, checkpointer: Checkpointer, plan: trainer.StatePlan) -> trainer.TrainState | None:
+    if cfg.checkpoint.resume != "auto" or not checkpointer.steps():
+        return None
+    state, saved, step = checkpointer.restore(plan.abstract, plan.shardings)
+    for key, name in (("seed", "train.seed"), ("batch_size", "train.batch_size")):
+        if saved.get(key) != position(cfg, step)[key]:
+            raise ConfigError(name, f"{position(cfg, step)[key]} but the checkpoint at step {step} was saved with {saved.get(key)}")
+    if saved["next_batch"] != step:
+        raise CheckpointError(f"checkpoint at step {step} records input position {saved['next_batch']}")
+    return state
 
 
 def build(cfg: Config) -> Experiment:
@@ -62,6 +113,9 @@ def build(cfg: Config) -> Experiment:
     layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape))
     inputs = inputs_lib.build(cfg, mesh, layout)
     family = MODELS[cfg.model.name]
+    problem = family.check_data(inputs.element_spec)
+    if problem:
+        raise DataError(f"{cfg.data.source} data for model {cfg.model.name}: {problem}")
     num_classes = getattr(inputs.train.source, "num_classes", None)
     if num_classes is not None and getattr(cfg.model, "num_classes", num_classes) != num_classes:
         raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
@@ -75,13 +129,17 @@ def build(cfg: Config) -> Experiment:
     except layout_lib.LayoutError as e:
         raise ConfigError("layout", str(e)) from None
     tx = trainer.make_optimizer(cfg.optimizer, cfg.train.steps)
-    graphdef, state, shardings = trainer.init_state(build_model, tx, cfg.train.seed, layout, mesh)
-    train_step = trainer.make_train_step(graphdef, tx, layout, mesh, shardings, inputs.shardings)
-    eval_step = trainer.make_eval_step(graphdef, layout, mesh, shardings.params, inputs.shardings)
+    plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
+    checkpointer = None
+    if cfg.checkpoint.every or cfg.checkpoint.resume == "auto":
+        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+    state = (checkpointer and _restore(cfg, checkpointer, plan)) or plan.materialize(layout, mesh)
+    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, plan.shardings, inputs.shardings)
+    eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops)
     flops = family.flops_per_example(cfg.model, inputs.element_spec)
     tokens = family.tokens_per_example(cfg.model, inputs.element_spec)
-    return Experiment(cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source)
+    return Experiment(cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source, checkpointer)
 
 
 def rates(exp: Experiment, step_time_s: float) -> dict[str, float]:
@@ -113,37 +171,54 @@ def _progress(enabled: bool) -> Progress:
 
 def train(exp: Experiment) -> dict:
     """The train loop. Returns the summary (also written to ``<workdir>/summary.json``)."""
-    cfg, inputs, state = exp.cfg, exp.inputs, exp.state
-    writer, stats, memory = MetricsWriter(cfg.workdir), RunStats(), PeakTracker(exp.mesh.devices.flat, inputs.feeder.live_bytes)
+    cfg, inputs, state, ckpt = exp.cfg, exp.inputs, exp.state, exp.checkpointer
+    start = int(state.step)
+    writer, stats, memory = MetricsWriter(cfg.workdir, start), RunStats(), PeakTracker(exp.mesh.devices.flat, inputs.feeder.live_bytes)
     losses, last_eval, placement = [], {}, None
-    with _progress(cfg.train.progress) as progress, inputs.batches(int(state.step), cfg.train.steps) as batches:
-        task = progress.add_task("train", total=cfg.train.steps, loss=float("nan"), eps=0.0, extra="")
-        last = time.perf_counter()
-        for fed in batches:
-            state, metrics = exp.train_step(state, fed.arrays)
-            loss = float(metrics["loss"])  # waits for the step: step times are real, not dispatch times
-            now, done, placement = time.perf_counter(), fed.step + 1, fed.info
-            if not np.isfinite(loss):
-                raise TrainingError(f"step {done}: loss is {loss}")
-            stats.add(now - last, fed.wait_s, placement.seconds)
-            losses.append(loss)
-            evaluated = bool(cfg.train.eval_every and inputs.eval) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-            if evaluated:
-                last_eval = evaluate(exp, state)
-            if evaluated or done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                memory.sample()
-                row = {"loss": loss, **stats.window(), **_scalars(metrics), **(last_eval if evaluated else {})}
-                row.update(rates(exp, row["step_time_s"]))
-                writer.write(done, row)
-                progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
-            progress.update(task, completed=done)
+    try:
+        with _progress(cfg.train.progress) as progress, inputs.batches(start, cfg.train.steps) as batches, _StopSignals() as stop:
+            task = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra="")
             last = time.perf_counter()
-    writer.close()
+            for fed in batches:
+                state, metrics = exp.train_step(state, fed.arrays)
+                loss = float(metrics["loss"])  # waits for the step: step times are real, not dispatch times
+                now, done, placement = time.perf_counter(), fed.step + 1, fed.info
+                _check_finite(loss, float(metrics["grad_norm"]), done, ckpt)
+                stats.add(now - last, fed.wait_s, placement.seconds)
+                losses.append(loss)
+                if ckpt:
+                    ckpt.maybe_save(state, position(cfg, done), force=done == cfg.train.steps or stop.signum is not None)
+                evaluated = bool(cfg.train.eval_every and inputs.eval) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+                if evaluated:
+                    last_eval = evaluate(exp, state)
+                if evaluated or done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                    memory.sample()
+                    row = {"loss": loss, **stats.window(), **_scalars(metrics), **(last_eval if evaluated else {})}
+                    row.update(rates(exp, row["step_time_s"]))
+                    writer.write(done, row)
+                    progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
+                progress.update(task, completed=done)
+                if stop.signum is not None:
+                    raise Interrupted(stop.signum, done, saved=ckpt is not None)
+                last = time.perf_counter()
+    finally:
+        writer.close()
+        if ckpt:
+            ckpt.close()  # waits for the last async save to commit
     exp.state = state
     summary = _summary(exp, losses, last_eval, stats, placement, memory)
     write_summary(cfg.workdir, summary)
     stats.write(cfg.workdir)
     return summary
+
+
+def _check_finite(loss: float, grad_norm: float, step: int, ckpt: Checkpointer | None) -> None:
+    """Stop on a non-finite loss or gradient; that state is never saved, so the newest
+    checkpoint stays the last good one."""
+    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        kept = ckpt.steps() if ckpt else []
+        where = f"; last good checkpoint: step {kept[-1]}" if kept else ""
+        raise TrainingError(f"step {step}: loss is {loss}, gradient norm is {grad_norm}{where}")
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
@@ -188,19 +263,28 @@ def run(cfg: Config) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.train", description="Train a model on a device mesh.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (checkpoint.resume=auto)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_args(argv)
+    overrides = [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])]
     try:
-        summary = run(config_lib.load(args.config, args.overrides))
+        summary = run(config_lib.load(args.config, overrides))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     except TrainingError as e:
         print(f"training error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        saved = f"; checkpoint saved at step {e.step}" if e.saved else " (checkpointing is off: nothing saved)"
+        print(f"stopped by {e}{saved}", file=sys.stderr)
+        return 128 + e.signum
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
         f"{summary['examples_per_s']:,.0f} examples/s, {summary['tokens_per_s']:,.0f} tokens/s, "

@@ -8,6 +8,7 @@ computes every shard on the device that owns it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,15 +83,28 @@ def abstract_model(build: Callable[[nnx.Rngs], nnx.Module]) -> tuple[nnx.GraphDe
     return nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
 
 
-def init_state(
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """The train state before any of it exists: structure, shapes and shardings."""
+
+    graphdef: nnx.GraphDef
+    abstract: TrainState  # ShapeDtypeStructs
+    shardings: TrainState  # NamedShardings
+    init: Callable[[], TrainState]
+
+    def materialize(self, layout: layout_lib.Layout, mesh: Mesh) -> TrainState:
+        """Run the initialisers under jit, each shard computed on the device that owns it."""
+        with layout_lib.activate(layout, mesh):
+            return jax.jit(self.init, out_shardings=self.shardings)()
+
+
+def plan_state(
     build: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
     seed: int,
     layout: layout_lib.Layout,
     mesh: Mesh,
-) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Initialise the train state directly in its shardings. Returns (graphdef, state, shardings)."""
-
+) -> StatePlan:
     def init() -> TrainState:
         params_rng, state_rng = jax.random.split(jax.random.key(seed))
         _, params = nnx.split(build(nnx.Rngs(params=params_rng)))
@@ -102,10 +116,20 @@ def init_state(
         )
 
     graphdef, _ = abstract_model(build)
-    shardings = tree_shardings(jax.eval_shape(init), layout, mesh)
-    with layout_lib.activate(layout, mesh):
-        state = jax.jit(init, out_shardings=shardings)()
-    return graphdef, state, shardings
+    abstract = jax.eval_shape(init)
+    return StatePlan(graphdef, abstract, tree_shardings(abstract, layout, mesh), init)
+
+
+def init_state(
+    build: Callable[[nnx.Rngs], nnx.Module],
+    tx: optax.GradientTransformation,
+    seed: int,
+    layout: layout_lib.Layout,
+    mesh: Mesh,
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Initialise the train state directly in its shardings. Returns (graphdef, state, shardings)."""
+    plan = plan_state(build, tx, seed, layout, mesh)
+    return plan.graphdef, plan.materialize(layout, mesh), plan.shardings
 
 
 def make_train_step(

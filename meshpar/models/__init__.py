@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from meshpar.models import mlp, transformer
 
 
@@ -23,6 +25,21 @@ class Family:
     build: Callable[..., Any]
     flops_per_example: Callable[[Any, dict], float]  # training FLOPs (forward + backward)
     tokens_per_example: Callable[[Any, dict], int]
+    # The batch fields the model reads: field → (rank per example or None for any, numpy dtype
+    # kinds accepted: "f" float, "i"/"u" integer).
+    fields: dict[str, tuple[int | None, str]]
+
+    def check_data(self, element_spec: dict) -> str | None:
+        """What is wrong with data of this `element_spec` for this model, or None."""
+        for field, (rank, kinds) in self.fields.items():
+            if field not in element_spec:
+                return f"the data has no field {field!r} (fields: {', '.join(element_spec)})"
+            shape, dtype = element_spec[field]
+            if rank is not None and len(shape) != rank:
+                return f"field {field!r} has per-example shape {tuple(shape)}; the model needs rank {rank}"
+            if np.dtype(dtype).kind not in kinds:
+                return f"field {field!r} has dtype {np.dtype(dtype)}; the model needs kind {'/'.join(kinds)}"
+        return None
 
 
 def _lm_flops(cfg: transformer.TransformerConfig, spec: dict) -> float:
@@ -31,8 +48,14 @@ def _lm_flops(cfg: transformer.TransformerConfig, spec: dict) -> float:
 
 
 MODELS: dict[str, Family] = {
-    "mlp": Family(mlp.MLPConfig, mlp.build, mlp.flops_per_example, lambda cfg, spec: 1),
+    "mlp": Family(
+        mlp.MLPConfig, mlp.build, mlp.flops_per_example, lambda cfg, spec: 1, {"inputs": (None, "fiu"), "targets": (0, "iu")}
+    ),
     "transformer": Family(
-        transformer.TransformerConfig, transformer.build, _lm_flops, lambda cfg, spec: math.prod(spec["inputs"][0])
+        transformer.TransformerConfig,
+        transformer.build,
+        _lm_flops,
+        lambda cfg, spec: math.prod(spec["inputs"][0]),
+        {"inputs": (1, "iu"), "targets": (1, "iu")},
     ),
 }
