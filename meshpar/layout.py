@@ -141,4 +141,5 @@ def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
+    layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
     return jax.lax.with_sharding_constraint(x, layout.sharding(mesh, dims))

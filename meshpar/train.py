@@ -130,6 +130,11 @@ def build(cfg: Config) -> Experiment:
         raise ConfigError("layout", str(e)) from None
     tx = trainer.make_optimizer(cfg.optimizer, cfg.train.steps)
     plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, *shape), dtype) for k, (shape, dtype) in inputs.element_spec.items()}
+    try:
+        trainer.check_activations(plan, layout, mesh, batch)
+    except layout_lib.LayoutError as e:
+        raise ConfigError("layout", str(e)) from None
     checkpointer = None
     if cfg.checkpoint.every or cfg.checkpoint.resume == "auto":
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.every, cfg.checkpoint.keep)

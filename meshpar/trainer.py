@@ -120,6 +120,17 @@ def plan_state(
     return StatePlan(graphdef, abstract, tree_shardings(abstract, layout, mesh), init)
 
 
+def check_activations(plan: StatePlan, layout: layout_lib.Layout, mesh: Mesh, batch: Mapping[str, jax.ShapeDtypeStruct]) -> None:
+    """Trace the model's loss abstractly under the layout: every activation constraint is
+    resolved (and raises LayoutError if the layout cannot place it) before anything runs."""
+
+    def loss(params, batch):
+        return nnx.merge(plan.graphdef, params).loss(batch, rngs=None)
+
+    with layout_lib.activate(layout, mesh):
+        jax.eval_shape(loss, plan.abstract.params, dict(batch))
+
+
 def init_state(
     build: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
