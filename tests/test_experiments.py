@@ -62,3 +62,25 @@ def test_transformer_routed_equals_direct_bit_for_bit(tmp_path):
     assert losses["direct"][0] == losses["routed"][0]
     for a, b in zip(jax.tree.leaves(losses["direct"][1]), jax.tree.leaves(losses["routed"][1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_trains_on_tfds_array_record_datasets(tmp_path):
+    from tests.tfds_fixtures import build_tiny_dataset, build_tiny_text_dataset
+
+    data_dir = str(tmp_path / "tfds")
+    build_tiny_dataset(data_dir)
+    build_tiny_text_dataset(data_dir)
+    image = config.load(
+        "experiments/mlp_data_parallel.yaml",
+        [*SHORT, "train.steps=4", "train.batch_size=16", "data.source=tfds", "data.name=tiny_digits",
+         f"data.data_dir={data_dir}", "data.eval_split=test", f"workdir={tmp_path / 'digits'}"],
+    )
+    summary = train.run(image)
+    assert summary["model_flops_per_example"] == 6 * (64 * 512 + 512 * 256 + 256 * 10)  # 8x8x1 images
+    text = config.load(
+        "experiments/quickstart.yaml",
+        [*SHORT, "train.batch_size=8", "data.source=tfds_text", "data.name=tiny_text", "data.length=16",
+         f"data.data_dir={data_dir}", "data.eval_split=test", f"workdir={tmp_path / 'text'}"],
+    )
+    summary = train.run(text)
+    assert np.isfinite(summary["final_loss"]) and summary["tokens_per_example"] == 16
