@@ -7,6 +7,7 @@ Exit status: 0 on success; 2 on a config or data mistake, with one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import signal
@@ -100,41 +101,52 @@ def _restore(cfg: Config, checkpointer: Checkpointer, plan: trainer.StatePlan) -
     return state
 
 
-def build(cfg: Config) -> Experiment:
-    """Devices → mesh → layout → inputs → sharded state → jitted steps. Config mistakes raise ConfigError."""
+@contextlib.contextmanager
+def _config_key(key: str, *errors: type[Exception]):
+    """Report `errors` raised inside the block as a ConfigError on `key`."""
+    try:
+        yield
+    except errors as e:
+        raise ConfigError(key, str(e)) from None
+
+
+def _make_mesh(cfg: Config) -> jax.sharding.Mesh:
     try:
         mesh_lib.request_cpu_devices(mesh_lib.cpu_device_count(cfg.mesh))
     except RuntimeError:
         pass  # backend already started (e.g. in-process tests); build_mesh reports a shortfall
-    try:
-        mesh = mesh_lib.build_mesh(cfg.mesh)
-    except mesh_lib.MeshError as e:
-        raise ConfigError("mesh", str(e)) from None
-    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape))
-    inputs = inputs_lib.build(cfg, mesh, layout)
-    family = MODELS[cfg.model.name]
+    with _config_key("mesh", mesh_lib.MeshError):
+        return mesh_lib.build_mesh(cfg.mesh)
+
+
+def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
     problem = family.check_data(inputs.element_spec)
     if problem:
         raise DataError(f"{cfg.data.source} data for model {cfg.model.name}: {problem}")
     num_classes = getattr(inputs.train.source, "num_classes", None)
     if num_classes is not None and getattr(cfg.model, "num_classes", num_classes) != num_classes:
         raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
+
+
+def build(cfg: Config) -> Experiment:
+    """Devices → mesh → layout → inputs → sharded state → jitted steps.
+
+    Everything that can be checked without running is checked first — every parameter and
+    every activation against the layout, abstractly — and reported as ConfigError/DataError.
+    """
+    mesh = _make_mesh(cfg)
+    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape))
+    inputs = inputs_lib.build(cfg, mesh, layout)
+    family = MODELS[cfg.model.name]
+    _check_data(cfg, family, inputs)
     build_model = functools.partial(family.build, cfg.model, inputs.element_spec)
-    try:
-        _, abstract_params = trainer.abstract_model(build_model)
-    except ValueError as e:  # the model's own checks (e.g. length beyond max_length)
-        raise ConfigError("model", str(e)) from None
-    try:
-        trainer.check_params(abstract_params, layout)
-    except layout_lib.LayoutError as e:
-        raise ConfigError("layout", str(e)) from None
     tx = trainer.make_optimizer(cfg.optimizer, cfg.train.steps)
-    plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
+    with _config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
+        plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
     batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, *shape), dtype) for k, (shape, dtype) in inputs.element_spec.items()}
-    try:
+    with _config_key("layout", layout_lib.LayoutError):
+        trainer.check_params(plan.abstract.params, layout)
         trainer.check_activations(plan, layout, mesh, batch)
-    except layout_lib.LayoutError as e:
-        raise ConfigError("layout", str(e)) from None
     checkpointer = None
     if cfg.checkpoint.every or cfg.checkpoint.resume == "auto":
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
@@ -190,6 +202,7 @@ def train(exp: Experiment) -> dict:
                 now, done, placement = time.perf_counter(), fed.step + 1, fed.info
                 _check_finite(loss, float(metrics["grad_norm"]), done, ckpt)
                 stats.add(now - last, fed.wait_s, placement.seconds)
+                memory.sample()  # the feeder's own arrays only: cheap enough for every step
                 losses.append(loss)
                 if ckpt:
                     ckpt.maybe_save(state, position(cfg, done), force=done == cfg.train.steps or stop.signum is not None)
@@ -197,7 +210,6 @@ def train(exp: Experiment) -> dict:
                 if evaluated:
                     last_eval = evaluate(exp, state)
                 if evaluated or done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                    memory.sample()
                     row = {"loss": loss, **stats.window(), **_scalars(metrics), **(last_eval if evaluated else {})}
                     row.update(rates(exp, row["step_time_s"]))
                     writer.write(done, row)
@@ -261,6 +273,15 @@ def _summary(exp: Experiment, losses, last_eval, stats: RunStats, placement, mem
     }
 
 
+# What the CLI reports in one line instead of a traceback: exception → (prefix, exit status).
+FAILURES: dict[type[Exception], tuple[str, int]] = {
+    ConfigError: ("config error", 2),
+    DataError: ("data error", 2),
+    CheckpointError: ("checkpoint error", 2),
+    TrainingError: ("training error", 1),
+}
+
+
 def run(cfg: Config) -> dict:
     return train(build(cfg))
 
@@ -274,18 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])]
     try:
         summary = run(config_lib.load(args.config, overrides))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"training error: {e}", file=sys.stderr)
-        return 1
+    except tuple(FAILURES) as e:
+        prefix, status = next(v for cls, v in FAILURES.items() if isinstance(e, cls))
+        print(f"{prefix}: {e}", file=sys.stderr)
+        return status
     except Interrupted as e:
         saved = f"; checkpoint saved at step {e.step}" if e.saved else " (checkpointing is off: nothing saved)"
         print(f"stopped by {e}{saved}", file=sys.stderr)
