@@ -36,6 +36,28 @@ if logging.getLogger("absl").level == logging.NOTSET:
     logging.getLogger("absl").setLevel(logging.WARNING)
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """When a restore fails, tensorstore may still complete the reads it had in flight and hand
+    each result to orbax's event loop, which the failure already closed. Each such callback
+    raises "Event loop is closed", reported through ``sys.unraisablehook``: harmless, but dozens
+    of tracebacks would bury the one-line fallback note. Drop exactly those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshpar_quiet", False):
+        return
+
+    def hook(unraisable):
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        in_asyncio = tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("asyncio/base_events.py")
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed" and in_asyncio:
+            return
+        previous(unraisable)
+
+    hook._meshpar_quiet = True
+    sys.unraisablehook = hook
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint (one-line message naming the directory)."""
 
@@ -194,6 +216,7 @@ class Checkpointer:
         targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shards)]
         target_tree, _, _ = _nest(jax.tree.unflatten(treedef, targets))
         steps, reasons = self.steps(), []
+        _quiet_closed_loop_callbacks()  # before any read: stray callbacks come while one fails
         for i, step in enumerate(reversed(steps)):
             try:
                 state, position = self._restore_step(step, target_tree, names, treedef)

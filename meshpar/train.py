@@ -190,6 +190,10 @@ def train(exp: Experiment) -> dict:
     """The train loop. Returns the summary (also written to ``<workdir>/summary.json``)."""
     cfg, inputs, state, ckpt = exp.cfg, exp.inputs, exp.state, exp.checkpointer
     start = int(state.step)
+    if start >= cfg.train.steps:  # resumed a finished run: leave its outputs as they are
+        if ckpt:
+            ckpt.close()
+        return {"steps": cfg.train.steps, "already_at_step": start}
     writer, stats, memory = MetricsWriter(cfg.workdir, start), RunStats(), PeakTracker(exp.mesh.devices.flat, inputs.feeder.live_bytes)
     losses, last_eval, placement = [], {}, None
     try:
@@ -205,7 +209,7 @@ def train(exp: Experiment) -> dict:
                 memory.sample()  # the feeder's own arrays only: cheap enough for every step
                 losses.append(loss)
                 if ckpt:
-                    ckpt.maybe_save(state, position(cfg, done), force=done == cfg.train.steps or stop.signum is not None)
+                    ckpt.maybe_save(state, position(cfg, done), force=done == cfg.train.steps)
                 evaluated = bool(cfg.train.eval_every and inputs.eval) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
                 if evaluated:
                     last_eval = evaluate(exp, state)
@@ -216,6 +220,8 @@ def train(exp: Experiment) -> dict:
                     progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
                 progress.update(task, completed=done)
                 if stop.signum is not None:
+                    if ckpt:  # a no-op when this step was just saved
+                        ckpt.maybe_save(state, position(cfg, done), force=True)
                     raise Interrupted(stop.signum, done, saved=ckpt is not None)
                 last = time.perf_counter()
     finally:
@@ -233,6 +239,8 @@ def _check_finite(loss: float, grad_norm: float, step: int, ckpt: Checkpointer |
     """Stop on a non-finite loss or gradient; that state is never saved, so the newest
     checkpoint stays the last good one."""
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        if ckpt:
+            ckpt.wait()  # the previous step's save may still be committing
         kept = ckpt.steps() if ckpt else []
         where = f"; last good checkpoint: step {kept[-1]}" if kept else ""
         raise TrainingError(f"step {step}: loss is {loss}, gradient norm is {grad_norm}{where}")
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (checkpoint.resume=auto)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])]
     try:
         summary = run(config_lib.load(args.config, overrides))
@@ -303,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         saved = f"; checkpoint saved at step {e.step}" if e.saved else " (checkpointing is off: nothing saved)"
         print(f"stopped by {e}{saved}", file=sys.stderr)
         return 128 + e.signum
+    if "already_at_step" in summary:
+        print(f"nothing to train: the checkpoint is at step {summary['already_at_step']} of {summary['steps']}")
+        return 0
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
         f"{summary['examples_per_s']:,.0f} examples/s, {summary['tokens_per_s']:,.0f} tokens/s, "
