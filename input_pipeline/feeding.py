@@ -91,11 +91,9 @@ class Feeder:
         """
         out: dict[int, int] = {}
         with self._lock:
-            self._created = [r for r in self._created if r() is not None and not r().is_deleted()]
-            arrays = [r() for r in self._created]
+            arrays = [a for a in (r() for r in self._created) if a is not None and not a.is_deleted()]
+            self._created = [weakref.ref(a) for a in arrays]
         for array in arrays:
-            if array is None:
-                continue
             for shard in array.addressable_shards:
                 out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
         return out
