@@ -36,23 +36,29 @@ if logging.getLogger("absl").level == logging.NOTSET:
     logging.getLogger("absl").setLevel(logging.WARNING)
 
 
-def _quiet_closed_loop_callbacks() -> None:
-    """When a restore fails, tensorstore may still complete the reads it had in flight and hand
-    each result to orbax's event loop, which the failure already closed. Each such callback
-    raises "Event loop is closed", reported through ``sys.unraisablehook``: harmless, but dozens
-    of tracebacks would bury the one-line fallback note. Drop exactly those."""
+def _quiet_abandoned_reads() -> None:
+    """When a restore fails on one array, orbax abandons the reads of the others: their
+    coroutines end with the same error nobody awaits any more, and tensorstore hands results
+    still in flight to an event loop the failure already closed ("Event loop is closed"). Both
+    reach ``sys.unraisablehook`` as tracebacks — dozens, burying the one-line fallback note,
+    which already says what failed. Drop exactly those two kinds."""
     previous = sys.unraisablehook
     if getattr(previous, "_meshpar_quiet", False):
         return
 
-    def hook(unraisable):
+    def abandoned(unraisable) -> bool:
+        code = getattr(unraisable.object, "cr_code", None)  # a coroutine nobody awaited
+        if code is not None and "orbax" in code.co_filename.replace("\\", "/"):
+            return True
         tb = unraisable.exc_traceback
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
         in_asyncio = tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("asyncio/base_events.py")
-        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed" and in_asyncio:
-            return
-        previous(unraisable)
+        return unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed" and in_asyncio
+
+    def hook(unraisable):
+        if not abandoned(unraisable):
+            previous(unraisable)
 
     hook._meshpar_quiet = True
     sys.unraisablehook = hook
@@ -216,7 +222,7 @@ class Checkpointer:
         targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shards)]
         target_tree, _, _ = _nest(jax.tree.unflatten(treedef, targets))
         steps, reasons = self.steps(), []
-        _quiet_closed_loop_callbacks()  # before any read: stray callbacks come while one fails
+        _quiet_abandoned_reads()  # before any read: the stray reports come while one fails
         for i, step in enumerate(reversed(steps)):
             try:
                 state, position = self._restore_step(step, target_tree, names, treedef)
