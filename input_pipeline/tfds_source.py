@@ -17,9 +17,7 @@ from typing import Callable
 import numpy as np
 import tensorflow_datasets as tfds
 
-
 from input_pipeline.errors import DataError
-
 
 Spec = tuple[tuple[int, ...], np.dtype]
 
@@ -63,7 +61,7 @@ def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
         return ((), np.dtype(object)), texts
     if shape == () and np.issubdtype(dtype, np.integer):  # ClassLabel, ids
         return ((), np.dtype(np.int32)), lambda vals: np.asarray(vals, dtype=np.int32)
-    if isinstance(feat, tfds.features.Tensor) and None not in shape and dtype != object:
+    if isinstance(feat, tfds.features.Tensor) and None not in shape and np.dtype(dtype).kind != "O":
         # Fixed-shape numeric tensors pass through unchanged.
         return (shape, dtype), lambda vals: np.asarray(vals, dtype=dtype).reshape(
             (len(vals), *shape)

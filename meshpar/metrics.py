@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
 import pathlib
+import statistics
 from collections.abc import Mapping
 from typing import Any
 

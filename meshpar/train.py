@@ -1,7 +1,9 @@
-"""``python -m meshpar.train --config experiments/x.yaml [section.key=value ...]``
+"""``python -m meshpar.train --config experiments/x.yaml [--resume] [section.key=value ...]``
 
-Exit status: 0 on success; 2 on a config or data mistake, with one line
-``config error: <key>: <what is wrong>`` (or ``data error: ...``) on stderr.
+Exit status: 0 on success; 2 on a config, data or checkpoint mistake, with one line
+``config error: <key>: <what is wrong>`` (``data error: ...``, ``checkpoint error: ...``) on
+stderr; 1 when training cannot go on (``training error: step N: ...``); 128 + the signal
+number after SIGINT/SIGTERM, once the state is checkpointed.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import contextlib
 import dataclasses
 import functools
 import signal
-import threading
 import sys
+import threading
 import time
 
 import jax
@@ -21,11 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from input_pipeline.errors import DataError
 from meshpar import config as config_lib
-from meshpar.checkpoint import CheckpointError, Checkpointer
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar import throughput, trainer
+from meshpar.checkpoint import Checkpointer, CheckpointError
 from meshpar.config import Config, ConfigError
 from meshpar.memory import PeakTracker
 from meshpar.metrics import MetricsWriter, RunStats, write_summary

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
 
     if not os.environ.get("JAX_PLATFORMS", "").strip() or "cpu" in os.environ.get("JAX_PLATFORMS", ""):
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from input_pipeline.batching import HostLoader, aligned_empty
     from input_pipeline.feeding import DirectFeeder, RoutedFeeder, aliases_host

@@ -1,6 +1,5 @@
 """Every shipped experiment config builds and trains; throughput figures agree with each other."""
 
-import dataclasses
 import pathlib
 
 import jax

@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from input_pipeline.batching import HostLoader
 from input_pipeline.errors import DataError

@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from input_pipeline.batching import HostLoader
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder

@@ -1,6 +1,5 @@
 """Exact resume: continuing from a mid-run checkpoint ends bit-identical to never stopping."""
 
-import dataclasses
 import shutil
 
 import jax

@@ -1,8 +1,8 @@
 """The CLI end to end, as a user runs it: exit codes, outputs, one-line errors."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 
