@@ -122,6 +122,17 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    # Multi-process (multi-host) runs on jax.distributed: every process runs the same command
+    # with its own process_id. num_processes 1 = a single process, nothing to join. An empty
+    # coordinator ("host:port" of process 0) or process_id -1 lets jax.distributed detect them
+    # from the cluster environment (SLURM, Open MPI, TPU pods, ...).
+    num_processes: int = dataclasses.field(default=1, metadata=_min(1))
+    process_id: int = dataclasses.field(default=-1, metadata=_min(-1))
+    coordinator: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class HardwareConfig:
     # Peak TFLOP/s per device for MFU; 0 = built-in bf16 figure for H100/H200/A100, or on CPU
     # a matmul measured at start.
@@ -140,6 +151,7 @@ class Config:
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
     hardware: HardwareConfig = HardwareConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"

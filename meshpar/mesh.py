@@ -91,6 +91,16 @@ def request_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
+def join_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Connect this process to the others of a multi-process run (before the backend starts).
+
+    CPU devices of different processes exchange collectives over gloo; accelerators use their
+    own (NCCL on GPU), so the setting is harmless there.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator or None, num_processes, None if process_id < 0 else process_id)
+
+
 def select_devices(num_needed: int | None) -> list[jax.Device]:
     """Devices for the mesh: every accelerator, or the first `num_needed` (simulated) CPUs."""
     devices = jax.devices()

@@ -14,12 +14,16 @@ import numpy as np
 class MetricsWriter:
     """Appends one JSON line per logged step and mirrors the scalars to TensorBoard under ``tb/``."""
 
-    def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
+    def __init__(self, workdir: str | pathlib.Path, start_step: int = 0, enabled: bool = True):
         """A run starting at `start_step` (a resumed one) keeps the rows up to that step and
         drops later ones, which a killed run wrote after its last checkpoint; a fresh run
-        (step 0) starts the file anew."""
+        (step 0) starts the file anew. Disabled (processes other than the first of a
+        multi-process run), it writes nothing."""
         from tensorboardX import SummaryWriter  # protobuf-only event writer; no TensorFlow
 
+        self.enabled = enabled
+        if not enabled:
+            return
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         path = self.workdir / "metrics.jsonl"
@@ -29,6 +33,8 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(self.workdir / "tb"))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
         row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
@@ -37,6 +43,8 @@ class MetricsWriter:
                 self._tb.add_scalar(key, value, int(step))
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         self._tb.close()
 

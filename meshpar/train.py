@@ -113,10 +113,16 @@ def _config_key(key: str, *errors: type[Exception]):
 
 
 def _make_mesh(cfg: Config) -> jax.sharding.Mesh:
+    processes = cfg.distributed.num_processes
+    total = mesh_lib.cpu_device_count(cfg.mesh)
+    if total % processes:
+        raise ConfigError("distributed.num_processes", f"{processes} processes cannot split the mesh's {total} devices evenly")
     try:
-        mesh_lib.request_cpu_devices(mesh_lib.cpu_device_count(cfg.mesh))
+        mesh_lib.request_cpu_devices(total // processes)  # this process's share (all of them when alone)
     except RuntimeError:
         pass  # backend already started (e.g. in-process tests); build_mesh reports a shortfall
+    if processes > 1:
+        mesh_lib.join_processes(cfg.distributed.coordinator, processes, cfg.distributed.process_id)
     with _config_key("mesh", mesh_lib.MeshError):
         return mesh_lib.build_mesh(cfg.mesh)
 
@@ -196,10 +202,12 @@ def train(exp: Experiment) -> dict:
         if ckpt:
             ckpt.close()
         return {"steps": cfg.train.steps, "already_at_step": start}
-    writer, stats, memory = MetricsWriter(cfg.workdir, start), RunStats(), PeakTracker(exp.mesh.devices.flat, inputs.feeder.live_bytes)
+    lead = jax.process_index() == 0  # one process writes the run's outputs and shows progress
+    writer, stats = MetricsWriter(cfg.workdir, start, enabled=lead), RunStats()
+    memory = PeakTracker(exp.mesh.local_devices, inputs.feeder.live_bytes)
     losses, last_eval, placement = [], {}, None
     try:
-        with _progress(cfg.train.progress) as progress, inputs.batches(start, cfg.train.steps) as batches, _StopSignals() as stop:
+        with _progress(cfg.train.progress and lead) as progress, inputs.batches(start, cfg.train.steps) as batches, _StopSignals() as stop:
             task = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra="")
             last = time.perf_counter()
             for fed in batches:
@@ -232,8 +240,9 @@ def train(exp: Experiment) -> dict:
             ckpt.close()  # waits for the last async save to commit
     exp.state = state
     summary = _summary(exp, losses, last_eval, stats, placement, memory)
-    write_summary(cfg.workdir, summary)
-    stats.write(cfg.workdir)
+    if lead:
+        write_summary(cfg.workdir, summary)
+        stats.write(cfg.workdir)
     return summary
 
 
