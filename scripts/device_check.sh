@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=$(mkdir -p "${1:-runs/device_check}" && cd "${1:-runs/device_check}" && pwd)
-WORK=$(mktemp -d /tmp/meshpar-device-check.XXXXXX)
+WORK=$(mktemp -d -t meshpar-device-check.XXXXXX)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
