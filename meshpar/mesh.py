@@ -119,10 +119,7 @@ def build_mesh(spec: str | Mapping[str, int] | tuple[tuple[str, int], ...]) -> M
     """
     axes = spec if isinstance(spec, tuple) else parse_mesh(spec)
     on_cpu = jax.devices()[0].platform == "cpu"
-    fixed = all(n != -1 for _, n in axes)
-    devices = select_devices(math.prod(n for _, n in axes) if (on_cpu and fixed) else None)
-    if on_cpu and not fixed:
-        devices = devices[: cpu_device_count(axes)]
+    devices = select_devices(cpu_device_count(axes) if on_cpu else None)
     axes = resolve(axes, len(devices))
     size = math.prod(n for _, n in axes)
     if size != len(devices):
