@@ -1,47 +1,67 @@
-"""Checkpoints of the train state and the input position, with orbax's ``CheckpointManager``.
+"""Checkpoints of the train state, the input position and the run record, with orbax.
 
-Saves are asynchronous: ``maybe_save`` returns once orbax has copied the arrays to host, and
-the files are written by a background thread into ``<step>.orbax-checkpoint-tmp``, which is
-renamed to ``<step>`` only when every item is written. So a process killed mid-save leaves a
-tmp folder that orbax never lists as a step (and removes when the next manager starts).
+Saves are asynchronous: ``maybe_save`` returns once orbax has copied the arrays to host; the
+files are written by a background thread into ``<step>.orbax-checkpoint-tmp``, sealed with a
+file manifest (:mod:`meshpar.integrity`), and renamed to ``<step>`` only then. A process
+killed mid-save leaves a tmp folder that is never listed as a step (orbax removes it when the
+next manager starts). A save that fails (a full disk) ends the run with one line naming the
+step and the last step saved.
 
-A committed step can still be damaged later (a file deleted, truncated, overwritten). zstd
-keeps incompressible bytes raw and unchecksummed, so a damaged float may read back silently:
-each checkpoint also holds a digest of every array, computed on device, checked on restore.
-An unreadable step is skipped with a one-line note, falling back to the one before.
+A checkpoint is deleted only by ``keep`` rotation, after a newer save committed. ``restore``
+takes the newest step and tells three cases apart:
+
+- **damaged**, verified against the step's own records (manifest, array digests): the step
+  is set aside as ``<step>.damaged`` — kept, never listed — and the one before is tried;
+- **healthy but not this run** (other model, optimizer, widths): ``ConfigError`` naming the
+  first difference; nothing falls back, nothing on disk changes;
+- **cannot be verified either way** (an I/O error, a timeout, a tensorstore error on files
+  that match the manifest): ``CheckpointError``; every checkpoint stays as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hashlib
-import json
 import logging
-import math
+import os
+import re
 import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-# orbax logs through absl at INFO per save/restore; keep that out of the run's output unless
-# the caller configured absl logging themselves.
+from meshpar import integrity
+from meshpar.config import ConfigError
+from meshpar.errors import CheckpointError
+
+__all__ = ["Checkpointer", "CheckpointError", "Restored"]
+
+
+class _OrbaxOnly(logging.Filter):
+    """orbax logs through absl: INFO per save, ERROR with a traceback for a failed one. meshpar
+    reports every checkpoint failure itself in one line, so orbax's records stay out of the
+    run's output (unless the caller configured absl logging themselves)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "orbax" not in record.pathname.replace("\\", "/")
+
+
 if logging.getLogger("absl").level == logging.NOTSET:
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    logging.getLogger("absl").addFilter(_OrbaxOnly())
 
 
 def _quiet_abandoned_reads() -> None:
     """When a restore fails on one array, orbax abandons the reads of the others: their
     coroutines end with the same error nobody awaits any more, and tensorstore hands results
-    still in flight to an event loop the failure already closed ("Event loop is closed"). Both
-    reach ``sys.unraisablehook`` as tracebacks — dozens, burying the one-line fallback note,
-    which already says what failed. Drop exactly those two kinds."""
+    still in flight to an event loop the failure already closed ("Event loop is closed"); a
+    save that fails (e.g. at interpreter shutdown) leaves the same. Both reach
+    ``sys.unraisablehook`` as tracebacks — dozens, burying the one line that says what failed.
+    Drop exactly those two kinds."""
     previous = sys.unraisablehook
     if getattr(previous, "_meshpar_quiet", False):
         return
@@ -62,10 +82,6 @@ def _quiet_abandoned_reads() -> None:
 
     hook._meshpar_quiet = True
     sys.unraisablehook = hook
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint (one-line message naming the directory)."""
 
 
 def _path_name(path: tuple) -> str:
@@ -95,121 +111,163 @@ def _leaves(nested: dict, names: list[str]) -> list:
     return [functools.reduce(lambda node, p: node[p], name.split("/"), nested) for name in names]
 
 
-def _digest_one(x: jax.Array) -> jax.Array:
-    """Position-weighted sums of the raw bits, mod 2**32: exact integer maths, so the same
-    value under any sharding, and computed without a reshape (no resharding traffic)."""
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * min(x.dtype.itemsize, 4)}")).astype(jnp.uint32)
-    idx, stride = jnp.zeros(bits.shape, jnp.uint32), 1
-    for axis in reversed(range(bits.ndim)):
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
-        stride *= bits.shape[axis]
-    w1 = (idx * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
-    w2 = (idx * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)) | jnp.uint32(1)
-    mixed = bits ^ (bits >> 15) ^ (bits << 7)
-    return jnp.stack([jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum(mixed * w2, dtype=jnp.uint32)])
-
-
-def _spread(x: Any) -> NamedSharding | None:
-    """x's sharding, also split over the mesh axes x is replicated on: reaching it is a local
-    slice, and each element is then digested once, not once per replica (8x on data:8)."""
-    s = getattr(x, "sharding", None)
-    if not isinstance(s, NamedSharding) or any(t != AxisType.Auto for t in s.mesh.axis_types):
-        return None
-    spec = [p if isinstance(p, tuple) else (p,) if p else () for p in s.spec] + [()] * (x.ndim - len(s.spec))
-    for axis in [a for a in s.mesh.axis_names if s.mesh.shape[a] > 1 and all(a not in p for p in spec)]:
-        for d, p in enumerate(spec):
-            if x.shape[d] % (math.prod(s.mesh.shape[a] for a in p) * s.mesh.shape[axis]) == 0:
-                spec[d] = (*p, axis)  # minor-most: each new block lies inside the device's own block
-                break
-    return NamedSharding(s.mesh, PartitionSpec(*(p or None for p in spec)))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _digest(leaves: list, spreads: tuple) -> list:
-    return [_digest_one(x if s is None else jax.lax.with_sharding_constraint(x, s)) for x, s in zip(leaves, spreads)]
-
-
-def _digests(leaves: list, names: list[str]) -> dict[str, list[int]]:
-    out = jax.device_get(_digest(leaves, tuple(_spread(x) for x in leaves)))
-    return {n: [int(v) for v in d] for n, d in zip(names, out)}
-
-
-def _position_hash(position: dict) -> str:
-    return hashlib.sha256(json.dumps(position, sort_keys=True).encode()).hexdigest()
-
-
 def _one_line(e: BaseException) -> str:
+    """What went wrong, in one short line: the OS error where one is at the root (tensorstore
+    reports it as ``[os_error_code='28']`` deep in a long message), else the message, cut."""
+    code = e.errno if isinstance(e, OSError) and e.errno else None
+    found = re.search(r"os_error_code='?(\d+)", str(e))
+    if code is None and found:
+        code = int(found[1])
     text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text[:200]}"
+    if code is not None:
+        return f"{os.strerror(code)} [errno {code}]; {type(e).__name__}: {text[:160]}"
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _shape(x: Any) -> str:
+    return f"{np.dtype(x.dtype)}{list(x.shape)}"
+
+
+@dataclasses.dataclass
+class Restored:
+    state: Any
+    position: dict
+    record: dict
+    step: int
+
+
+_ITEMS = ("state", "position", "run", "integrity")
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, every: int, keep: int):
         self.directory = Path(directory).absolute()
         self.every, self.keep = every, keep
-        self.skipped: list[str] = []  # one line per unreadable step met by restore()
-        self._bad: set[int] = set()
+        self.skipped: list[str] = []  # one line per damaged step restore() set aside
+        self._primary = jax.process_index() == 0
+        self._saving: int | None = None  # the step whose save is in flight
+        self._saved: set[int] = set()  # steps this object saved
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None,
             enable_async_checkpointing=True,
             # A tmp folder left by a killed save would make a new save of that step fail.
             cleanup_tmp_directories=True,
             create=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
         )
         # Handlers named up front: a restarted run restores before it has saved anything.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        for item, save, load, handler in (
-            ("state", ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler()),
-            ("position", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler()),
-            ("integrity", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler()),
-        ):
-            registry.add(item, save, handler)
-            registry.add(item, load, handler)
-        self._mgr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        registry.add("state", ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+        for item in _ITEMS[1:]:
+            handler = ocp.JsonCheckpointHandler()
+            registry.add(item, ocp.args.JsonSave, handler)
+            registry.add(item, ocp.args.JsonRestore, handler)
+        try:
+            self._mgr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        except OSError as e:
+            raise CheckpointError(f"cannot use {self.directory}: {e.strerror or e}") from None
         self._closed = False
-        # At interpreter exit, concurrent.futures refuses new work *before* non-daemon threads
-        # are joined, so an in-flight save would die half-written (safe: it stays a tmp folder,
-        # but it is lost). Hooks registered here run before that refusal (and before atexit).
+        _quiet_abandoned_reads()  # a failed save leaves the same stray reports as a failed read
+        steps = self.steps()
+        self.last_saved: int | None = steps[-1] if steps else None  # newest committed step
+        # At interpreter exit (Python 3.11), concurrent.futures refuses new work *before*
+        # non-daemon threads are joined, so an in-flight save would die half-written (safe: it
+        # stays a tmp folder, but it is lost). Hooks registered here run before that refusal.
+        # From Python 3.12 no thread can start once shutdown begins, so this cannot help
+        # there: close() (or the `with` block) is what finishes a save; the train loop does.
         ref = weakref.ref(self)  # the hook must not keep this object alive
         register = getattr(threading, "_register_atexit", lambda f: None)  # private, as used by concurrent.futures
-        register(lambda: (c := ref()) is not None and not c._closed and c.wait())
+        register(lambda: (c := ref()) is not None and not c._closed and c._finish_at_exit())
 
-    def maybe_save(self, state: Any, data_position: dict, force: bool = False) -> bool:
+    # ------------------------------------------------------------------------------------------
+    # Saving
+
+    def _seal(self) -> None:
+        """orbax's post-finalization callback (primary process, background thread): every item
+        is written; record the files before the step is committed."""
+        step = self._saving
+        if step is None:
+            return
+        tmp = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+        integrity.write_manifest(tmp[-1] if tmp else self.directory / str(step), step)
+
+    def maybe_save(self, state: Any, data_position: dict, record: dict, force: bool = False) -> bool:
+        """Save `state` if its step is due (every `every` steps, or `force`). Returns whether a
+        save started. Raises CheckpointError if the previous save failed."""
         step = int(state.step)
         if not (force or (self.every > 0 and step % self.every == 0)):
             return False
-        if step in self._mgr.all_steps() and step not in self._bad:
+        if step in self._saved:
             return False  # already saved (e.g. the final forced save right after a periodic one)
-        # Unreadable steps that restore() skipped belong to an abandoned run: drop them now,
-        # or the new one of the same number could not be written and max_to_keep would count them.
-        for bad in sorted(self._bad):
-            print(f"checkpoint: removing unreadable step {bad}", file=sys.stderr)
-            self._mgr.delete(bad)
-        self._bad.clear()
+        self.wait()  # the previous save must have committed (or its failure be reported) first
+        if step in self.steps():
+            # A fresh run refuses a folder with steps and a resumed one starts after its newest
+            # step; a step of this number is not this run's to replace.
+            raise CheckpointError(f"step {step} already exists in {self.directory} and was not saved by this run")
         nested, names, _ = _nest(state)
-        integrity = {"leaves": _digests(jax.tree.leaves(state), names), "position": _position_hash(data_position)}
-        jsons = {"position": ocp.args.JsonSave(data_position), "integrity": ocp.args.JsonSave(integrity)}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(nested), **jsons)
-        # force: `every` decided above; orbax's own policy would also refuse a step at or below
-        # its latest one, which after falling back past an unreadable step is wrong.
-        return bool(self._mgr.save(step, args=args, force=True))
+        leaves = jax.tree.leaves(state)
+        digests = {
+            "leaves": integrity.array_digests(leaves, names),
+            "position": integrity.json_digest(data_position),
+            "run": integrity.json_digest(record),
+        }
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(nested),
+            position=ocp.args.JsonSave(data_position),
+            run=ocp.args.JsonSave(record),
+            integrity=ocp.args.JsonSave(digests),
+        )
+        self._saving = step
+        try:
+            # force: `every` decided above; orbax's own policy would also refuse a step at or
+            # below its latest one, which after falling back past a damaged step is wrong.
+            started = bool(self._mgr.save(step, args=args, force=True))
+        except Exception as e:  # noqa: BLE001 — what failed is named in one line
+            self._saving = None
+            raise self._save_error(step, e) from None
+        if started:
+            self._saved.add(step)
+        return started
+
+    def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+        last = f"last step saved: {self.last_saved}" if self.last_saved is not None else "no step saved yet"
+        return CheckpointError(f"cannot write step {step} to {self.directory / str(step)} ({_one_line(e)}); {last}")
 
     def wait(self) -> None:
-        self._mgr.wait_until_finished()
+        """Until the save in flight has committed. Raises CheckpointError if it failed."""
+        step = self._saving  # cleared only after the commit: _seal reads it until then
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._saving = None
+            self._saved.discard(step)
+            raise self._save_error(step, e) from None
+        self._saving = None
+        if step is not None:
+            self.last_saved = step if self.last_saved is None else max(step, self.last_saved)
+
+    def _finish_at_exit(self) -> None:
+        try:
+            self.wait()
+        except CheckpointError as e:
+            print(f"checkpoint error: {e}", file=sys.stderr)
 
     def steps(self) -> list[int]:
-        # From disk, only renamed (committed) step folders: orbax's in-memory list includes a
-        # save still being written.
-        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+        """Committed steps, from disk: orbax's in-memory list includes a save still being written."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
 
-    def restore(self, abstract_state: Any, shardings: Any = None) -> tuple[Any, dict, int]:
-        """Latest readable checkpoint, each array read straight into its target sharding.
+    # ------------------------------------------------------------------------------------------
+    # Restoring
+
+    def restore(self, abstract_state: Any, shardings: Any = None, accept: Callable[[dict, int], None] | None = None) -> Restored:
+        """The newest usable checkpoint, each array read straight into its target sharding.
 
         ``abstract_state``: a TrainState of arrays or ShapeDtypeStructs; ``shardings``: the
-        matching tree of shardings (default: the abstract leaves' own ``.sharding``).
+        matching tree of shardings (default: the abstract leaves' own ``.sharding``);
+        ``accept(run_record, step)`` may raise (ConfigError) before any array is read.
         """
         self.wait()
         _, names, treedef = _nest(abstract_state)
@@ -220,55 +278,99 @@ class Checkpointer:
         if any(s is None for s in shards):
             raise ValueError("restore needs a sharding for every leaf (pass `shardings`)")
         targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shards)]
-        target_tree, _, _ = _nest(jax.tree.unflatten(treedef, targets))
-        steps, reasons = self.steps(), []
-        _quiet_abandoned_reads()  # before any read: the stray reports come while one fails
+        steps = self.steps()
         for i, step in enumerate(reversed(steps)):
             try:
-                state, position = self._restore_step(step, target_tree, names, treedef)
-            except Exception as e:  # noqa: BLE001 — any failure to read means: try the one before
-                reasons.append(f"step {step}: {_one_line(e)}")
-                self.skipped.append(reasons[-1])
-                self._bad.add(step)
+                return self._restore_step(step, targets, names, treedef, accept)
+            except integrity.Damaged as e:
                 older = steps[-2 - i] if i + 1 < len(steps) else None
-                then = f"falling back to step {older}" if older is not None else "no older checkpoint"
-                print(f"checkpoint: step {step} unreadable ({_one_line(e)}); {then}", file=sys.stderr)
-                continue
-            return state, position, step
-        newest = f" (newest: {reasons[0]})" if reasons else " (none saved)"
+                self._set_aside(step, str(e), older)
+        newest = f" (newest: {self.skipped[0]})" if self.skipped else " (none saved)"
         raise CheckpointError(f"no usable checkpoint in {self.directory}{newest}")
 
-    def _restore_step(self, step: int, target_tree: dict, names: list[str], treedef: Any) -> tuple[Any, dict]:
-        # Shapes/dtypes against the stored metadata first: orbax would silently cast another
-        # dtype, and a shape mismatch reads better here than as a tensorstore error.
-        meta = self._mgr.item_metadata(step)["state"]
-        stored = {_path_name(path): m for path, m in jax.tree_util.tree_flatten_with_path(meta)[0]}
-        for name, want in zip(names, _leaves(target_tree, names)):
+    def _unreadable(self, step: int, e: BaseException) -> CheckpointError:
+        return CheckpointError(
+            f"step {step} in {self.directory} cannot be read ({_one_line(e)}); nothing on disk was changed: "
+            f"fix the cause and resume again, or move step {step} aside to resume from the one before"
+        )
+
+    def _restore_step(self, step: int, targets: list, names: list[str], treedef: Any, accept) -> Restored:
+        try:
+            integrity.verify_files(self.directory / str(step), step)
+        except integrity.Unrecorded:
+            pass  # its save stopped between commit and manifest: the array digests decide
+        except OSError as e:
+            raise self._unreadable(step, e) from None
+        try:
+            jsons = {item: ocp.args.JsonRestore() for item in _ITEMS[1:]}
+            meta = self._mgr.restore(step, args=ocp.args.Composite(**jsons))
+            state_meta = self._mgr.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001 — files verified, or no manifest: unknown either way
+            raise self._unreadable(step, e) from None
+        digests, record, position = meta["integrity"], meta["run"], meta["position"]
+        if integrity.json_digest(record) != digests.get("run") or integrity.json_digest(position) != digests.get("position"):
+            raise integrity.Damaged("its run record or data position does not match its digest")
+        if accept is not None:
+            accept(record, step)
+        self._check_leaves(step, state_meta, names, targets)
+        target_tree, _, _ = _nest(jax.tree.unflatten(treedef, targets))
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_tree)))
+            arrays = _leaves(out["state"], names)
+            got = integrity.array_digests(arrays, names)
+        except Exception as e:  # noqa: BLE001
+            raise self._unreadable(step, e) from None
+        for name in names:
+            if got[name] != digests["leaves"].get(name):
+                raise integrity.Damaged(f"{name} does not match its saved digest")
+        state = jax.tree.unflatten(treedef, arrays)
+        if int(state.step) != step:
+            raise integrity.Damaged(f"it holds state.step {int(state.step)}")
+        return Restored(state, position, record, step)
+
+    def _check_leaves(self, step: int, state_meta: Any, names: list[str], targets: list) -> None:
+        """The checkpoint holds exactly the leaves this config's state has, with the same shapes
+        and dtypes (orbax would silently cast another dtype)."""
+        stored = {_path_name(path): m for path, m in jax.tree_util.tree_flatten_with_path(state_meta)[0]}
+        where = f"the checkpoint at step {step}"
+        for name, want in zip(names, targets):
             got = stored.get(name)
             if got is None:
-                raise ValueError(f"{name} is not in the checkpoint")
+                raise ConfigError("checkpoint", f"{where} has no {name}, which this config's state has ({_shape(want)})")
             if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
-                have, wants = f"{got.dtype}{list(got.shape)}", f"{want.dtype}{list(want.shape)}"
-                raise ValueError(f"{name} is {have}, the model wants {wants}")
-        jsons = {"position": ocp.args.JsonRestore(), "integrity": ocp.args.JsonRestore()}
-        out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_tree), **jsons))
-        leaves = _leaves(out["state"], names)
-        integrity, position = out["integrity"], out["position"]
-        digests = _digests(leaves, names)
-        for name in names:
-            if digests[name] != integrity["leaves"].get(name):
-                raise ValueError(f"{name} does not match its saved digest")
-        if _position_hash(position) != integrity["position"]:
-            raise ValueError("data position does not match its saved digest")
-        state = jax.tree.unflatten(treedef, leaves)
-        if int(state.step) != step:
-            raise ValueError(f"holds state.step {int(state.step)}")
-        return state, position
+                raise ConfigError("checkpoint", f"{where} holds {name} as {_shape(got)}; this config makes it {_shape(want)}")
+        extra = sorted(set(stored) - set(names))
+        if extra:
+            raise ConfigError("checkpoint", f"{where} holds {extra[0]} ({_shape(stored[extra[0]])}), which this config's state has not")
+
+    def _set_aside(self, step: int, reason: str, older: int | None) -> None:
+        """Move a damaged step out of the list of steps, keeping its files."""
+        line = f"step {step}: {reason}"
+        self.skipped.append(line)
+        target = self.directory / f"{step}.damaged"
+        n = 1
+        while target.exists():
+            target, n = self.directory / f"{step}.damaged-{n}", n + 1
+        if self._primary:
+            try:
+                os.rename(self.directory / str(step), target)
+            except OSError as e:
+                raise CheckpointError(f"step {step} is damaged ({reason}) but cannot be set aside: {e.strerror or e}") from None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"meshpar_set_aside_{step}")
+        self._mgr.reload()
+        then = f"falling back to step {older}" if older is not None else "no older checkpoint"
+        print(f"checkpoint: step {step} is damaged ({reason}); kept as {target.name}; {then}", file=sys.stderr)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._mgr.close()
+            try:
+                self.wait()
+            finally:
+                self._mgr.close()
 
     def __enter__(self) -> Checkpointer:
         return self

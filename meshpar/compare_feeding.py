@@ -6,8 +6,10 @@ separate, then writes to the config's workdir:
 
 - ``feed_comparison.md`` (also printed) and ``feed_comparison.json``: batch placement time
   (median, p90), bytes the relay device received per batch, peak input bytes resident on the
-  relay and on any other device, step time, input stall fraction, final loss; ratios against
-  the direct run with the same prefetch depth, measured in this same invocation;
+  relay and on any other device (the feeder's live-buffer accounting, updated at every
+  placement and release: prefetched batches, the batch in use, the relay's staging copy and
+  its temporary slices), step time, input stall fraction, final loss; ratios against the
+  direct run with the same prefetch depth, measured in this same invocation;
 - ``placement_time.png`` (placement time per run) and ``input_memory.png`` (peak input bytes
   per device, relay highlighted);
 - each run's own outputs under ``runs/<mode>_prefetch<k>/``.
@@ -47,7 +49,9 @@ COLUMNS = [
 
 def run_one(config: str, overrides: list[str], workdir: pathlib.Path) -> dict:
     """One training run in a fresh process; returns its summary plus per-step data."""
-    cmd = [sys.executable, "-m", "meshpar.train", "--config", config, *overrides, f"workdir={workdir}", "train.progress=false"]
+    # Each invocation replaces its own earlier runs (their checkpoints included).
+    cmd = [sys.executable, "-m", "meshpar.train", "--config", config, *overrides, f"workdir={workdir}", "train.progress=false",
+           "checkpoint.overwrite=true"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if result.returncode:
         sys.stderr.write(result.stderr)

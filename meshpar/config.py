@@ -9,30 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import yaml
 
+# mesh before anything that imports jax: it keeps a bad JAX_NUM_CPU_DEVICES from breaking
+# `import jax` (see meshpar.mesh), so the value is reported here in one line.
+from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
 from meshpar.models import MODELS
+from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
 
-
-class ConfigError(ValueError):
-    """A config mistake: ``key`` is the dotted key, the message says what is wrong."""
-
-    def __init__(self, key: str, message: str):
-        # A key taken from YAML may hold a newline (`"a\nb": 1`): shown as repr, the message
-        # stays one line. `self.key` keeps the key itself.
-        super().__init__(f"{key if key.isprintable() else repr(key)}: {message}")
-        self.key = key
-
-
-def _min(n: float) -> dict:
-    return {"min": n}
+__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_dict", "load", "to_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +31,10 @@ class DataConfig:
     # library), tfds_text (byte-level windows of a tfds Text feature).
     source: Literal["synthetic", "tfds", "text", "tfds_text"] = "synthetic"
     # synthetic: train / eval rows, input width ("pixels") and number of classes.
-    num_examples: int = dataclasses.field(default=16384, metadata=_min(1))
-    num_eval_examples: int = dataclasses.field(default=2048, metadata=_min(0))
-    num_features: int = dataclasses.field(default=784, metadata=_min(1))
-    num_classes: int = dataclasses.field(default=10, metadata=_min(2))
+    num_examples: int = dataclasses.field(default=16384, metadata=at_least(1))
+    num_eval_examples: int = dataclasses.field(default=2048, metadata=at_least(0))
+    num_features: int = dataclasses.field(default=784, metadata=at_least(1))
+    num_classes: int = dataclasses.field(default=10, metadata=between(2, INT32_MAX))  # labels are int32
     # tfds: dataset name, offline data_dir (prepared as array_record), splits, and which
     # features become the fields `inputs` and `targets`.
     name: str = ""
@@ -57,10 +46,10 @@ class DataConfig:
     # standard library's own sources), the share of files held out for eval (chosen by a hash
     # of each file's path, so a file is never in both), a cap on bytes read per split (0 = all),
     # and the tfds Text feature to read.
-    length: int = dataclasses.field(default=128, metadata=_min(1))
+    length: int = dataclasses.field(default=128, metadata=at_least(1))
     corpus_dir: str = ""
-    eval_fraction: float = dataclasses.field(default=0.05, metadata=_min(0.0))
-    max_bytes: int = dataclasses.field(default=0, metadata=_min(0))
+    eval_fraction: float = dataclasses.field(default=0.05, metadata=between(0.0, 1.0))
+    max_bytes: int = dataclasses.field(default=0, metadata=at_least(0))
     text_feature: str = "text"
 
 
@@ -70,7 +59,7 @@ class FeedConfig:
     # the mesh's first device, which then hands out slices (Mesh TensorFlow's GPU path).
     mode: Literal["direct", "routed"] = "direct"
     # Batches kept already placed on the devices ahead of the step (0 = place on demand).
-    prefetch: int = dataclasses.field(default=2, metadata=_min(0))
+    prefetch: int = dataclasses.field(default=2, metadata=at_least(0))
     # Read host batches into a pool of reused aligned buffers (synthetic source only); a buffer
     # that a placed batch aliases (CPU zero-copy) is never reused.
     reuse_buffers: bool = False
@@ -80,29 +69,33 @@ class FeedConfig:
 class OptimizerConfig:
     # optax optimizer.
     name: Literal["adam", "adamw", "sgd", "lion"] = "adamw"
-    learning_rate: float = dataclasses.field(default=1e-3, metadata=_min(0.0))
-    # Learning-rate schedule: constant, or cosine decay to 0 over train.steps; both after warmup.
+    learning_rate: float = dataclasses.field(default=1e-3, metadata=at_least(0.0))
+    # Learning-rate schedule: constant, or cosine decay to 0 over decay_steps; both after warmup.
     schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = dataclasses.field(default=0, metadata=_min(0))
+    warmup_steps: int = dataclasses.field(default=0, metadata=between(0, INT32_MAX))
+    # The schedule's horizon in steps (warmup included). 0 = train.steps of the run's first
+    # launch; checkpoints keep it, so `--resume train.steps=<more>` extends a run without
+    # reshaping its schedule.
+    decay_steps: int = dataclasses.field(default=0, metadata=between(0, INT32_MAX))
     b1: float = 0.9  # adam/adamw/lion first moment; sgd momentum (0 = plain SGD)
     b2: float = 0.999  # adam/adamw/lion second moment
-    weight_decay: float = dataclasses.field(default=0.0, metadata=_min(0.0))
+    weight_decay: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
     # Clip the global gradient norm to this (0 = no clipping).
-    grad_clip_norm: float = dataclasses.field(default=0.0, metadata=_min(0.0))
+    grad_clip_norm: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = dataclasses.field(default=100, metadata=_min(1))
+    steps: int = dataclasses.field(default=100, metadata=between(1, INT32_MAX))
     # Global batch size, summed over all devices and processes.
-    batch_size: int = dataclasses.field(default=128, metadata=_min(1))
+    batch_size: int = dataclasses.field(default=128, metadata=at_least(1))
     # Seeds parameter init, dropout and data order.
-    seed: int = 0
+    seed: int = dataclasses.field(default=0, metadata=between(0, SEED_MAX))
     # Write metrics.jsonl / TensorBoard every this many steps (the last step is always logged).
-    log_every: int = dataclasses.field(default=10, metadata=_min(1))
+    log_every: int = dataclasses.field(default=10, metadata=at_least(1))
     # Validation every this many steps (0 = never); on `eval_batches` batches of the eval split.
-    eval_every: int = dataclasses.field(default=0, metadata=_min(0))
-    eval_batches: int = dataclasses.field(default=4, metadata=_min(1))
+    eval_every: int = dataclasses.field(default=0, metadata=at_least(0))
+    eval_batches: int = dataclasses.field(default=4, metadata=at_least(1))
     # Show the rich progress bar (off in tests and under CI logs).
     progress: bool = True
 
@@ -111,14 +104,22 @@ class TrainConfig:
 class CheckpointConfig:
     # Save the train state and input position every this many steps, at the end, and on
     # SIGINT/SIGTERM (orbax, async). 0 = no checkpoints at all.
-    every: int = dataclasses.field(default=0, metadata=_min(0))
+    every: int = dataclasses.field(default=0, metadata=at_least(0))
     # Checkpoints kept, oldest deleted first (0 = all).
-    keep: int = dataclasses.field(default=3, metadata=_min(0))
+    keep: int = dataclasses.field(default=3, metadata=at_least(0))
     # Folder ("" = <workdir>/checkpoints).
     dir: str = ""
     # never: start from scratch; auto: continue from the newest complete checkpoint, if any
     # (the CLI's --resume sets auto). The mesh and layout may differ from the saved run's.
     resume: Literal["never", "auto"] = "never"
+    # A fresh run into a checkpoint folder that already holds steps is refused (it would mix
+    # two runs); true replaces the earlier run: its steps, metrics, summary and TensorBoard
+    # events are removed before the first step.
+    overwrite: bool = False
+    # Keys (or whole sections) a resumed run may change from what its checkpoint was saved with,
+    # e.g. [optimizer.learning_rate]. Without them, --resume refuses a changed seed, batch size,
+    # model, optimizer or data setting.
+    allow_changes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +128,22 @@ class DistributedConfig:
     # with its own process_id. num_processes 1 = a single process, nothing to join. An empty
     # coordinator ("host:port" of process 0) or process_id -1 lets jax.distributed detect them
     # from the cluster environment (SLURM, Open MPI, TPU pods, ...).
-    num_processes: int = dataclasses.field(default=1, metadata=_min(1))
-    process_id: int = dataclasses.field(default=-1, metadata=_min(-1))
+    num_processes: int = dataclasses.field(default=1, metadata=between(1, INT32_MAX))
+    process_id: int = dataclasses.field(default=-1, metadata=between(-1, INT32_MAX))
     coordinator: str = ""
+    # Seconds to wait for the coordinator and every peer to join before giving up.
+    initialization_timeout: int = dataclasses.field(default=50, metadata=between(1, MAX_TIMEOUT_S))
+    # Seconds without a heartbeat after which a process counts as lost and the job stops.
+    heartbeat_timeout_seconds: int = dataclasses.field(default=20, metadata=between(1, MAX_TIMEOUT_S))
+    # Seconds a process waits at exit for the others to reach their exit too.
+    shutdown_timeout_seconds: int = dataclasses.field(default=30, metadata=between(1, MAX_TIMEOUT_S))
 
 
 @dataclasses.dataclass(frozen=True)
 class HardwareConfig:
     # Peak TFLOP/s per device for MFU; 0 = built-in bf16 figure for H100/H200/A100, or on CPU
     # a matmul measured at start.
-    peak_tflops: float = dataclasses.field(default=0.0, metadata=_min(0.0))
+    peak_tflops: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,104 +176,31 @@ class Config:
         return "; ".join(f"{d}:{a}" for d, a in self.layout)
 
 
-# --------------------------------------------------------------------------------------------
-# Validation: a small type checker over dataclass annotations.
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, f"expected true or false, got {_describe(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"expected an integer, got {_describe(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, f"expected a number, got {_describe(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, f"expected a string, got {_describe(value)}")
-        return value
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = ", ".join(str(c) for c in typing.get_args(tp))
-            raise ConfigError(key, f"{value!r} is not one of: {choices}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, key)
-    if origin is tuple:
-        (item, _) = typing.get_args(tp)
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            raise ConfigError(key, f"expected a list, got {_describe(value)}")
-        return tuple(_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        kt, vt = typing.get_args(tp)
-        if not isinstance(value, Mapping):
-            raise ConfigError(key, f"expected a mapping, got {_describe(value)}")
-        return {_coerce(kt, k, key): _coerce(vt, v, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, key)
-    raise TypeError(f"unsupported config type {tp} at {key}")
-
-
-def build(cls: type, raw: Any, key: str) -> Any:
-    """Validate mapping `raw` into dataclass `cls`; `key` is the dotted prefix for errors."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(key, f"expected a mapping, got {_describe(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for name in raw:
-        if name not in fields:
-            known = ", ".join(fields)
-            raise ConfigError(f"{key}.{name}" if key else str(name), f"unknown key (known: {known})")
-    kwargs = {}
-    for name, value in raw.items():
-        sub = f"{key}.{name}" if key else name
-        kwargs[name] = _coerce(hints[name], value, sub)
-        lo = fields[name].metadata.get("min")
-        values = kwargs[name] if isinstance(kwargs[name], tuple) else (kwargs[name],)  # a bound applies per item
-        for i, v in enumerate(values):
-            # `not >=` rather than `<`: a NaN (YAML .nan) compares false both ways and must not pass.
-            if lo is not None and not v >= lo:
-                where = f"{sub}[{i}]" if isinstance(kwargs[name], tuple) else sub
-                raise ConfigError(where, f"must be >= {lo}, got {v}")
-    return cls(**kwargs)
-
-
 def _model(raw: Any) -> Any:
     if not isinstance(raw, Mapping):
-        raise ConfigError("model", f"expected a mapping with a 'name', got {_describe(raw)}")
+        raise ConfigError("model", f"expected a mapping with a 'name', got {describe(raw)}")
     name = raw.get("name")
     # isinstance first: an unhashable name (a list, a mapping) would raise TypeError in `in`.
     if not isinstance(name, str) or name not in MODELS:
-        raise ConfigError("model.name", f"{name!r} is not a model (known: {', '.join(MODELS)})")
-    return build(MODELS[name].config, raw, "model")
+        raise ConfigError("model.name", f"{short(name)} is not a model (known: {', '.join(MODELS)})")
+    model = build(MODELS[name].config, raw, "model")
+    # Model sizes stay within jax's default integer, int32: some become traced int32 values
+    # (vocab_size=2**31 overflowed in the jitted loss with a traceback, whatever the memory), and
+    # a dim of 2**31 (hidden, d_model, n_heads, ...) left the CLI stuck in init for minutes.
+    for field in dataclasses.fields(model):
+        value = getattr(model, field.name)
+        items = value if isinstance(value, tuple) else (value,)
+        for i, v in enumerate(items):
+            if isinstance(v, int) and not isinstance(v, bool) and v > INT32_MAX:
+                where = f"model.{field.name}" + (f"[{i}]" if isinstance(value, tuple) else "")
+                raise ConfigError(where, f"must be <= {INT32_MAX} (jax's int32 limit), got {v}")
+    return model
 
 
 def from_dict(raw: Any) -> Config:
     """Validate a parsed YAML document into a :class:`Config`."""
     if not isinstance(raw, Mapping):
-        raise ConfigError("config", f"expected a mapping at the top level, got {_describe(raw)}")
+        raise ConfigError("config", f"expected a mapping at the top level, got {describe(raw)}")
     raw = dict(raw)
     if "model" not in raw:
         raise ConfigError("model", "missing (set model.name)")
@@ -286,23 +220,98 @@ def from_dict(raw: Any) -> Config:
     return cfg
 
 
+# Folder settings: each becomes a path the run creates or reads.
+PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir")
+# The longest file name (one path component, in bytes) and path that Linux and macOS file systems
+# take; a longer one fails deep inside a library (orbax, tfds) instead of here.
+NAME_MAX, PATH_MAX = 255, 4095
+
+
+def _check_path(key: str, path: str) -> None:
+    if "\0" in path:
+        raise ConfigError(key, f"{short(path)} holds a NUL character, which no path can")
+    if len(path.encode("utf-8", "surrogatepass")) > PATH_MAX:
+        raise ConfigError(key, f"{short(path)} is longer than {PATH_MAX} bytes")
+    for part in pathlib.PurePath(path).parts:
+        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX:
+            raise ConfigError(key, f"{short(part)} is longer than {NAME_MAX} bytes, too long for a file or folder name")
+
+
+def _check_coordinator(address: str) -> None:
+    """``host:port`` (``[v6 address]:port``), port 1..65535: what jax.distributed can listen on
+    or connect to. Anything else failed with a traceback or a C++ message much later."""
+    host, sep, port = address.rpartition(":")
+    bad = None
+    if not sep or not host.strip("[]"):
+        bad = "is not 'host:port'"
+    elif not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        bad = f"has port {short(port)}, not a number from 1 to 65535"
+    elif not (host.isascii() and host.isprintable()) or " " in host:
+        bad = "has a host name that is not printable ASCII without spaces"
+    if bad:
+        raise ConfigError("distributed.coordinator", f"{short(address)} {bad} (e.g. 10.0.0.1:1234)")
+
+
 def check(cfg: Config) -> None:
     """Cross-section checks that need no device."""
-    t = cfg.train
-    data_axis = dict(cfg.layout).get("batch")
-    if data_axis is not None:
-        n = dict(cfg.mesh)[data_axis]
-        if n > 0 and t.batch_size % n:
-            raise ConfigError(
-                "train.batch_size", f"{t.batch_size} is not divisible by mesh axis '{data_axis}' of size {n} (layout batch:{data_axis})"
-            )
+    try:
+        mesh_lib.cpu_devices_from_env()  # jax reads it too, when its CPU client starts
+    except mesh_lib.MeshError as e:
+        raise ConfigError("mesh", str(e)) from None
+    if not cfg.workdir:
+        raise ConfigError("workdir", "must not be empty (use '.' for the current folder)")
+    for key in PATHS:
+        section, _, name = key.rpartition(".")
+        _check_path(key, getattr(getattr(cfg, section) if section else cfg, name))
+    d = cfg.distributed
+    if d.process_id >= d.num_processes:
+        raise ConfigError("distributed.process_id", f"{d.process_id} is not below distributed.num_processes {d.num_processes}")
+    if d.coordinator:
+        _check_coordinator(d.coordinator)
+    for name in ("b1", "b2"):
+        b = getattr(cfg.optimizer, name)
+        if not 0 <= b < 1:
+            raise ConfigError(f"optimizer.{name}", f"must be in [0, 1), got {b}")
+    check_batch_size(cfg, dict(cfg.mesh))
     if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.name:
         raise ConfigError("data.name", f"required when data.source is {cfg.data.source}")
     if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.data_dir:
         raise ConfigError("data.data_dir", f"required when data.source is {cfg.data.source} (data is read offline)")
+    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.split:
+        raise ConfigError("data.split", f"required when data.source is {cfg.data.source} (the split to train on)")
+    if cfg.checkpoint.overwrite and cfg.checkpoint.resume == "auto":
+        raise ConfigError("checkpoint.overwrite", "replaces the earlier run, so it cannot be combined with --resume")
+    for i, key in enumerate(cfg.checkpoint.allow_changes):
+        if not _is_key(cfg, key):
+            raise ConfigError(f"checkpoint.allow_changes[{i}]", f"{short(key)} is not a config key or section")
     max_length = getattr(cfg.model, "max_length", None)
     if cfg.data.source in ("text", "tfds_text") and max_length is not None and cfg.data.length > max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
+
+
+def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
+    """train.batch_size splits evenly over the mesh axis the layout puts `batch` on.
+
+    With the config's own mesh a -1 axis is not known yet and is skipped: call this again with
+    the built mesh's shape (``dict(mesh.shape)``), where a -1 axis has its size.
+    """
+    data_axis = dict(cfg.layout).get("batch")
+    n = mesh_shape.get(data_axis, -1) if data_axis is not None else -1
+    if n > 0 and cfg.train.batch_size % n:
+        raise ConfigError(
+            "train.batch_size",
+            f"{cfg.train.batch_size} is not divisible by mesh axis '{data_axis}' of size {n} (layout batch:{data_axis})",
+        )
+
+
+def _is_key(cfg: Config, key: str) -> bool:
+    """Whether dotted `key` names a section or a field of `cfg` (``optimizer``, ``model.hidden``)."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
 
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
@@ -352,7 +361,7 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError("config", f"expected a mapping at the top level of {path}, got {_describe(raw)}")
+        raise ConfigError("config", f"expected a mapping at the top level of {path}, got {describe(raw)}")
     return from_dict(apply_overrides(raw, overrides))
 
 

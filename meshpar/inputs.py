@@ -20,7 +20,8 @@ class Inputs:
     shardings: dict[str, NamedSharding]  # field → sharding of the global batch
     train: HostLoader
     eval: HostLoader | None
-    feeder: Feeder
+    feeder: Feeder  # places train batches (from the prefetch thread when prefetching)
+    eval_feeder: Feeder  # places eval batches, so eval never touches the train feeder's staging or figures
     prefetch: int
 
     def batches(self, start: int, stop: int) -> Prefetcher:
@@ -77,4 +78,5 @@ def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
     eval_source = make_source(cfg.data, "eval", cfg.train.seed)
     evaluation = eval_source and HostLoader(eval_source, cfg.train.batch_size, cfg.train.seed, rows, shuffle=False)
     feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)
-    return Inputs(spec, shardings, train, evaluation, feeder, cfg.feed.prefetch)
+    eval_feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)
+    return Inputs(spec, shardings, train, evaluation, feeder, eval_feeder, cfg.feed.prefetch)

@@ -13,6 +13,9 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
+# meshpar.mesh first: it makes sure a bad JAX_NUM_CPU_DEVICES cannot break `import jax`.
+from meshpar.mesh import name_problem, show_name  # isort: skip
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -52,6 +55,13 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, str], ...]:
     for dim, axis in pairs:
         if not dim or not axis:
             raise LayoutError(f"rule {f'{dim}:{axis}'!r} has an empty dim or axis name")
+        # The same names as the mesh's (see meshpar.mesh.name_problem): an axis name that is no
+        # mesh axis would be reported as unknown anyway, but a dim named like no model dim is
+        # otherwise never checked.
+        for what, name in (("dim", dim), ("axis", axis)):
+            problem = name_problem(name)
+            if problem:
+                raise LayoutError(f"{what} name {show_name(name)} in rule {show_name(f'{dim}:{axis}')} {problem}")
         if dim in seen:
             raise LayoutError(f"dim {dim!r} is mapped twice (to {seen[dim]!r} and {axis!r})")
         seen[dim] = axis

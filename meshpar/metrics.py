@@ -2,56 +2,79 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import statistics
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from meshpar.errors import OutputError
+
 
 class MetricsWriter:
-    """Appends one JSON line per logged step and mirrors the scalars to TensorBoard under ``tb/``."""
+    """Appends one JSON line per logged step and mirrors the scalars to TensorBoard under ``tb/``.
+
+    A write that fails (a full disk, a file in the way) raises :class:`OutputError` naming the path.
+    """
 
     def __init__(self, workdir: str | pathlib.Path, start_step: int = 0, enabled: bool = True):
         """A run starting at `start_step` (a resumed one) keeps the rows up to that step and
-        drops later ones, which a killed run wrote after its last checkpoint; a fresh run
-        (step 0) starts the file anew. Disabled (processes other than the first of a
-        multi-process run), it writes nothing."""
+        drops later ones, which a killed run wrote after its last checkpoint (TensorBoard is
+        told to purge its events after that step too); a fresh run (step 0) starts the file
+        anew. Disabled (processes other than the first of a multi-process run), it writes nothing."""
         from tensorboardX import SummaryWriter  # protobuf-only event writer; no TensorFlow
 
         self.enabled = enabled
         if not enabled:
             return
         self.workdir = pathlib.Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
         path = self.workdir / "metrics.jsonl"
-        kept = [r for r in read_jsonl(path) if r["step"] <= start_step] if start_step and path.exists() else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._jsonl = open(path, "a")
-        self._tb = SummaryWriter(str(self.workdir / "tb"))
+        with _writing(path):
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            kept = [r for r in read_jsonl(path) if r["step"] <= start_step] if start_step and path.exists() else []
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._jsonl = open(path, "a")
+        with _writing(self.workdir / "tb"):
+            self._tb = SummaryWriter(str(self.workdir / "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(key, value, int(step))
+        with _writing(self.workdir / "metrics.jsonl"):
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        with _writing(self.workdir / "tb"):
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, int(step))
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._jsonl.close()
-        self._tb.close()
+        with _writing(self.workdir / "metrics.jsonl"):
+            self._jsonl.close()
+        with _writing(self.workdir / "tb"):
+            self._tb.close()
+
+
+@contextlib.contextmanager
+def _writing(path: pathlib.Path):
+    """Report an OSError raised while writing `path` as one line."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def write_summary(workdir: str | pathlib.Path, summary: Mapping[str, Any]) -> None:
     path = pathlib.Path(workdir) / "summary.json"
-    path.write_text(json.dumps({k: _plain(v) for k, v in summary.items()}, indent=2) + "\n")
+    with _writing(path):
+        path.write_text(json.dumps({k: _plain(v) for k, v in summary.items()}, indent=2) + "\n")
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
@@ -70,41 +93,64 @@ def _plain(value: Any) -> Any:
 class RunStats:
     """Per-step timings of a run: windows for metrics.jsonl, medians for summary.json.
 
-    ``step_time_s`` is the wall time between consecutive step completions (so it includes any
-    wait for input); ``wait_s`` is how long the step waited for its batch (input stall);
-    ``place_s`` is how long placing that batch on the devices took (in the background when
-    prefetching). The first step includes compilation and is left out of the summary.
+    Per step: ``step_time_s``, from dispatching the step until its loss is on the host (device
+    compute, dispatch and one scalar fetch; no input wait, eval, checkpoint or logging);
+    ``wait_s``, how long the loop waited for the step's batch (input stall); ``place_s``, how
+    long placing that batch on the devices took (in the background when prefetching). And the
+    loop's wall clock: ``wall_time_per_step_s`` is the wall time of a stretch of the loop —
+    everything it did, eval, checkpoints and logging included — divided by its steps. The
+    first step includes compilation and is left out of the summary.
     """
 
     def __init__(self):
         self.rows: list[tuple[float, float, float]] = []
-        self._window_start = 0
+        self._window_start, self._window_mark = 0, 0.0
+        self._started = self._first_done = self._stopped = None
+
+    def start(self) -> None:
+        self._started = self._window_mark = time.perf_counter()
 
     def add(self, step_time_s: float, wait_s: float, place_s: float) -> None:
         self.rows.append((step_time_s, wait_s, place_s))
+        if len(self.rows) == 1:
+            self._first_done = time.perf_counter()
+
+    def stop(self) -> None:
+        self._stopped = time.perf_counter()
 
     def window(self) -> dict[str, float]:
-        """Means over the steps since the previous call."""
+        """Means over the steps since the previous call; wall time since the previous call."""
+        now = time.perf_counter()
         rows, self._window_start = self.rows[self._window_start :], len(self.rows)
+        wall, self._window_mark = (now - self._window_mark) / len(rows), now
         step, wait, place = (statistics.fmean(col) for col in zip(*rows))
-        return {"step_time_s": step, "feed_time_s": wait, "place_time_s": place}
+        return {"step_time_s": step, "wall_time_per_step_s": wall, "feed_time_s": wait, "place_time_s": place}
 
     def write(self, workdir: str | pathlib.Path) -> None:
         """Every step's timings, as columns, to ``<workdir>/step_times.json``."""
         columns = dict(zip(("step_time_s", "wait_s", "place_s"), (list(c) for c in zip(*self.rows))))
-        (pathlib.Path(workdir) / "step_times.json").write_text(json.dumps(columns) + "\n")
+        path = pathlib.Path(workdir) / "step_times.json"
+        with _writing(path):
+            path.write_text(json.dumps(columns) + "\n")
 
     def summary(self) -> dict[str, float | None]:
         if not self.rows:
             return {}
         steady = self.rows[1:] or self.rows
         step, wait, place = (list(col) for col in zip(*steady))
+        end = self._stopped or time.perf_counter()
+        if len(self.rows) > 1:  # from the first step's end: no compilation
+            wall = (end - self._first_done) / (len(self.rows) - 1)
+        else:
+            wall = end - self._started
         return {
             "first_step_time_s": self.rows[0][0],
             "mean_step_time_s": statistics.fmean(step),
             "median_step_time_s": statistics.median(step),
+            "wall_time_per_step_s": wall,
+            "loop_wall_time_s": end - self._started,
             "median_feed_time_s": statistics.median(wait),
             "median_place_time_s": statistics.median(place),
             "p90_place_time_s": float(np.percentile(place, 90)),
-            "stall_fraction": sum(wait) / sum(step),
+            "stall_fraction": sum(wait) / (wall * len(steady)),
         }

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import layout as layout_lib
+from meshpar import stop as stop_lib
 from meshpar.config import OptimizerConfig
 
 
@@ -31,9 +32,10 @@ class TrainState:
     rng: jax.Array  # uint32[2] raw key data: dropout etc. (raw so checkpoints stay plain arrays)
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, decay_steps: int) -> optax.GradientTransformation:
+    """The optax optimizer; a cosine schedule reaches 0 at `decay_steps` (warmup included)."""
     if cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(cfg.learning_rate, max(total_steps - cfg.warmup_steps, 1))
+        decay = optax.cosine_decay_schedule(cfg.learning_rate, max(decay_steps - cfg.warmup_steps, 1))
     else:
         decay = optax.constant_schedule(cfg.learning_rate)
     lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), decay], [cfg.warmup_steps])
@@ -150,10 +152,12 @@ def make_train_step(
     mesh: Mesh,
     state_shardings: TrainState,
     batch_shardings: Mapping[str, NamedSharding],
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """``step(state, batch) -> (state, metrics)``, jitted with explicit shardings; state is donated."""
+) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
+    """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
+    is donated. `stop` holds one int32 per device (see :mod:`meshpar.stop`); ``metrics["stop"]``
+    is its maximum, the same on every process."""
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
 
         def loss_fn(params):
@@ -164,14 +168,15 @@ def make_train_step(
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "stop": jnp.max(stop), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng))
         return new, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
+    flags = stop_lib.flag_sharding(mesh)
     return jax.jit(
         step,
-        in_shardings=(state_shardings, dict(batch_shardings)),
+        in_shardings=(state_shardings, dict(batch_shardings), flags),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )

@@ -28,14 +28,14 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
-    from meshpar import config, train
+    from meshpar import config, experiment, stop
 
     cfg = config.load(args.config, [*args.overrides, "mesh=data:1", "layout=batch:data", "train.progress=false"])
     if hasattr(cfg.model, "scan_layers"):  # count every layer (see above)
         cfg = config.load(args.config, [*args.overrides, "mesh=data:1", "layout=batch:data", "model.scan_layers=false"])
-    exp = train.build(cfg)
+    exp = experiment.build(cfg)
     batch, _ = exp.inputs.feeder.place(exp.inputs.train.batch(0))
-    compiled = exp.train_step.lower(exp.state, batch).compile()
+    compiled = exp.train_step.lower(exp.state, batch, stop.make_flags(exp.mesh, 0)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla = float(cost["flops"])

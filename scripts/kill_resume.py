@@ -182,11 +182,11 @@ def load_state(config, workdir, overrides=()) -> tuple[dict, int, list[str]]:
     import numpy as np
 
     from meshpar import config as config_lib
-    from meshpar import train as train_lib
+    from meshpar import experiment as experiment_lib
     from meshpar.checkpoint import _path_name
 
     cfg = config_lib.load(config, [*overrides, f"workdir={workdir}", "checkpoint.resume=auto"])
-    exp = train_lib.build(cfg)
+    exp = experiment_lib.build(cfg)
     try:
         skipped = list(exp.checkpointer.skipped) if exp.checkpointer else []
         flat, _ = jax.tree_util.tree_flatten_with_path(exp.state)

@@ -224,7 +224,7 @@ def test_null_section_means_defaults():
         (cfg_with(data={"num_classes": 1}), "data.num_classes", ["must be >= 2", "got 1"]),
         (cfg_with(feed={"prefetch": -1}), "feed.prefetch", ["must be >= 0"]),
         (cfg_with(optimizer={"learning_rate": -0.1}), "optimizer.learning_rate", ["must be >= 0.0", "-0.1"]),
-        (cfg_with(optimizer={"learning_rate": float("nan")}), "optimizer.learning_rate", ["must be >= 0.0", "nan"]),
+        (cfg_with(optimizer={"learning_rate": float("nan")}), "optimizer.learning_rate", ["nan", "not a finite"]),
         ({"model": {"name": "mlp", "num_classes": 1}}, "model.num_classes", ["must be >= 2"]),
     ],
 )
@@ -318,7 +318,7 @@ def test_mesh_errors_become_config_errors(mesh, substrings):
         ("data:4,model:2", "batch", ["'batch'", "not 'dim:axis'"]),
         ("data:4,model:2", "batch:", ["empty dim or axis"]),
         ("data:4,model:2", ["batch:data"], ["list"]),
-        ("data:4,model:2", "a\nb:nope", ["unknown mesh axis 'nope'"]),  # one line even so
+        ("data:4,model:2", "a\nb:nope", ["dim name 'a\\nb'", "not an identifier"]),  # one line even so
     ],
 )
 def test_layout_errors_become_config_errors(mesh, layout, substrings):
@@ -357,6 +357,16 @@ def test_batch_size_unchecked_when_not_knowable():
     # A -1 data axis is only known on the devices; an unsplit batch needs no check.
     assert from_dict(cfg_with(mesh="data:-1", train={"batch_size": 7})).train.batch_size == 7
     assert from_dict(cfg_with(mesh="data:4", layout="", train={"batch_size": 7})).train.batch_size == 7
+
+
+def test_batch_size_checked_against_the_built_mesh():
+    # Once the mesh is built, a -1 axis has its size: batch 12 on data:-1 over 8 devices was an
+    # IndivisibleError traceback from the feeder.
+    cfg = from_dict(cfg_with(mesh="data:-1,model:2", layout="batch:data", train={"batch_size": 12}))
+    config_lib.check_batch_size(cfg, {"data": 3, "model": 2})
+    with pytest.raises(ConfigError) as e:
+        config_lib.check_batch_size(cfg, {"data": 8, "model": 2})
+    expect(e, "train.batch_size", "12", "'data' of size 8")
 
 
 @pytest.mark.parametrize(
@@ -581,3 +591,104 @@ def test_random_strings_through_yaml_overrides(tmp_path_factory, mesh, layout):
         one_line(str(e))
     else:
         assert isinstance(cfg, Config)
+
+
+# --------------------------------------------------------------------------------------------
+# Extremes: every value that would overflow, wrap or crash further down is refused here
+
+
+@pytest.mark.parametrize(
+    "raw, key, substrings",
+    [
+        # integers beyond int64 reach numpy/jax/C++ only to overflow there
+        (cfg_with(data={"num_examples": 2**63}), "data.num_examples", ["64-bit"]),
+        (cfg_with(feed={"prefetch": -(2**63) - 1}), "feed.prefetch", ["64-bit"]),
+        (cfg_with(data={"max_bytes": 10**5000}), "data.max_bytes", ["an integer of 16610 bits", "64-bit"]),
+        ({"model": {"name": "mlp", "hidden": [16, 2**64]}}, "model.hidden[1]", ["64-bit"]),
+        # model sizes and labels are int32 in jax (vocab_size=2**31 overflowed in the jitted loss)
+        ({"model": {"name": "transformer", "vocab_size": 2**31}}, "model.vocab_size", ["must be <= 2147483647", "int32"]),
+        ({"model": {"name": "mlp", "hidden": [16, 2**31]}}, "model.hidden[1]", ["must be <= 2147483647"]),
+        (cfg_with(data={"num_classes": 2**31}), "data.num_classes", ["must be <= 2147483647"]),
+        # int32 step counts
+        (cfg_with(train={"steps": 2**31}), "train.steps", ["must be <= 2147483647"]),
+        (cfg_with(optimizer={"warmup_steps": 2**31}), "optimizer.warmup_steps", ["must be <= 2147483647"]),
+        (cfg_with(optimizer={"decay_steps": 2**40}), "optimizer.decay_steps", ["must be <= 2147483647"]),
+        # seeds: 0 .. 2**32 - 1
+        (cfg_with(train={"seed": -1}), "train.seed", ["must be >= 0"]),
+        (cfg_with(train={"seed": 2**32}), "train.seed", ["must be <= 4294967295"]),
+        # floats: finite and within float32
+        (cfg_with(optimizer={"learning_rate": float("inf")}), "optimizer.learning_rate", ["inf", "not a finite float32"]),
+        (cfg_with(optimizer={"learning_rate": 1e39}), "optimizer.learning_rate", ["not a finite float32"]),
+        (cfg_with(optimizer={"weight_decay": 10**400}), "optimizer.weight_decay", ["inf", "not a finite float32"]),
+        (cfg_with(optimizer={"b2": "-1e308"}), "optimizer.b2", ["not a finite float32"]),
+        (cfg_with(hardware={"peak_tflops": float("nan")}), "hardware.peak_tflops", ["nan"]),
+        (cfg_with(data={"eval_fraction": 1.5}), "data.eval_fraction", ["must be <= 1.0"]),
+        (cfg_with(optimizer={"b1": 1.0}), "optimizer.b1", ["must be in [0, 1)", "1.0"]),
+        (cfg_with(optimizer={"b2": -0.1}), "optimizer.b2", ["must be in [0, 1)"]),
+        # distributed
+        (cfg_with(distributed={"num_processes": 2, "process_id": 2}), "distributed.process_id", ["2 is not below", "num_processes 2"]),
+        (cfg_with(distributed={"num_processes": 2**31}), "distributed.num_processes", ["must be <= 2147483647"]),
+        (cfg_with(distributed={"heartbeat_timeout_seconds": 2**31}), "distributed.heartbeat_timeout_seconds", ["must be <= 604800"]),
+        (cfg_with(distributed={"coordinator": "localhost"}), "distributed.coordinator", ["'localhost'", "not 'host:port'"]),
+        (cfg_with(distributed={"coordinator": ":1234"}), "distributed.coordinator", ["not 'host:port'"]),
+        (cfg_with(distributed={"coordinator": "h:65536"}), "distributed.coordinator", ["port '65536'"]),
+        (cfg_with(distributed={"coordinator": "h:x"}), "distributed.coordinator", ["port 'x'"]),
+        (cfg_with(distributed={"coordinator": "hôte:1234"}), "distributed.coordinator", ["ASCII"]),
+        # paths
+        (cfg_with(workdir=""), "workdir", ["must not be empty"]),
+        (cfg_with(workdir="runs/a\0b"), "workdir", ["NUL"]),
+        (cfg_with(workdir="runs/" + "é" * 128), "workdir", ["longer than 255 bytes"]),  # 256 bytes in UTF-8
+        (cfg_with(workdir="/" + "a/" * 2048), "workdir", ["longer than 4095 bytes"]),
+        (cfg_with(checkpoint={"dir": "x\0"}), "checkpoint.dir", ["NUL"]),
+        (cfg_with(data={"data_dir": "d" * 256}), "data.data_dir", ["longer than 255 bytes"]),
+        (cfg_with(data={"corpus_dir": "\0"}), "data.corpus_dir", ["NUL"]),
+        (cfg_with(data={"source": "tfds", "name": "x", "data_dir": "/d", "split": ""}), "data.split", ["required"]),
+    ],
+)
+def test_extreme_values(raw, key, substrings):
+    with pytest.raises(ConfigError) as e:
+        from_dict(raw)
+    expect(e, key, *substrings)
+
+
+def test_extremes_that_are_fine():
+    cfg = from_dict(cfg_with(
+        train={"seed": 2**32 - 1, "steps": 2**31 - 1}, optimizer={"learning_rate": 1e30, "b1": 0.0, "b2": 0.999999},
+        data={"eval_fraction": 1.0, "max_bytes": 2**63 - 1}, distributed={"coordinator": "[::1]:65535", "num_processes": 4, "process_id": 3},
+        workdir="runs/" + "é" * 127,
+    ))
+    assert cfg.train.seed == 2**32 - 1 and cfg.optimizer.learning_rate == 1e30  # 1e30: the NaN-loss tests' rate
+
+
+@pytest.mark.parametrize("value", ["x" * 10**6, "é" * 10**5])
+def test_huge_values_give_short_lines(value):
+    # A megabyte-long value is named, cut short: the error stays one readable line.
+    for raw in (cfg_with(feed={"mode": value}), cfg_with(train={"steps": value}), {"model": {"name": value}}):
+        with pytest.raises(ConfigError) as e:
+            from_dict(raw)
+        assert len(one_line(str(e.value))) < 300
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "257", "1e3"])
+def test_jax_num_cpu_devices_checked_with_the_config(monkeypatch, value):
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", value)
+    with pytest.raises(ConfigError) as e:
+        from_dict(cfg_with(mesh="data:4,model:2"))  # no -1 axis: jax would still read it
+    expect(e, "mesh", f"JAX_NUM_CPU_DEVICES={value!r}", "256")
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "16")
+    assert from_dict(cfg_with(mesh="data:-1")).mesh == (("data", -1),)
+
+
+@pytest.mark.parametrize(
+    "mesh, layout, key, shown",
+    [
+        ("données:8", "batch:données", "mesh", "'données'"),
+        ("data:8", "batch:data; modèle:data", "layout", "'modèle'"),
+        ("data:8", "batch:data; pixels:ｄａｔａ", "layout", "'ｄａｔａ'"),
+        ("a" * 65 + ":8", "batch:data", "mesh", "65 characters"),
+    ],
+)
+def test_names_are_ascii_identifiers(mesh, layout, key, shown):
+    with pytest.raises(ConfigError) as e:
+        from_dict(cfg_with(mesh=mesh, layout=layout))
+    expect(e, key, shown)

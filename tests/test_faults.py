@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, train
+from meshpar import config, experiment, loop, stop
 from meshpar.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,17 +42,6 @@ train: {{steps: {STEPS}, batch_size: 64, log_every: 1, progress: false}}
 checkpoint: {{every: {EVERY}}}
 """
 STOPPED = r"stopped by {} at step (\d+); checkpoint saved at step (\d+)"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    # A persistent compilation cache shared by this module's ~16 CLI runs: start-up is mostly
-    # XLA compiling the same programs (same config), ~2x faster from the cache.
-    cache = tmp_path_factory.mktemp("jax_cache")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -174,25 +163,26 @@ def test_stop_signal_saves_exits_128_plus_signum_and_resumes_bit_identical(refer
 
 
 def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
-    # In-process, to land the signal deterministically inside that window: during step 10's eval.
+    # In-process, to land the signal deterministically after a step's save call: during step 10's eval.
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are only installed from the main thread")
     cfg = config.load(REPO / "experiments" / "mlp_model_parallel.yaml", [
         "model.hidden=[64,32]", "data.num_examples=2048", "data.num_eval_examples=256", "data.num_features=48",
         "train.steps=20", "train.batch_size=32", "train.log_every=1", "train.eval_every=10", "train.progress=false",
         "checkpoint.every=3", f"workdir={tmp_path / 'run'}"])
-    exp, evaluate = train.build(cfg), train.evaluate
+    exp, evaluate = experiment.build(cfg), loop.evaluate
 
     def evaluate_then_signal(exp, state):
         if int(state.step) == 10:
             os.kill(os.getpid(), signal.SIGTERM)
         return evaluate(exp, state)
 
-    monkeypatch.setattr(train, "evaluate", evaluate_then_signal)
-    with pytest.raises(train.Interrupted) as stop:
-        train.train(exp)
-    assert stop.value.step == 10 and stop.value.saved
-    assert 10 in exp.checkpointer.steps(), f"'checkpoint saved at step 10', yet the checkpoints are {exp.checkpointer.steps()}"
+    monkeypatch.setattr(loop, "evaluate", evaluate_then_signal)
+    with pytest.raises(stop.Interrupted) as stopped:
+        loop.train(exp)
+    # The flag set during step 10's eval rides into step 11; every process sees it there.
+    assert stopped.value.step == 11 and stopped.value.saved
+    assert 11 in exp.checkpointer.steps(), f"'checkpoint saved at step 11', yet the checkpoints are {exp.checkpointer.steps()}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,17 +224,17 @@ def damaged(request, cfg_path, env, tmp_path_factory, stopped):
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(reference, cfg_path, damaged):
     _, workdir, newest, before, stderr = damaged
     # Searched in the whole text: other output (see the next test) may even break into the line.
-    notes = re.findall(r"checkpoint: step (\d+) unreadable \((.+?)\); falling back to step (\d+)", stderr)
-    assert [(int(a), int(b)) for a, _, b in notes] == [(newest, before)], stderr
+    notes = re.findall(r"checkpoint: step (\d+) is damaged \((.+?)\); kept as (\S+); falling back to step (\d+)", stderr)
+    assert [(int(a), c, int(d)) for a, _, c, d in notes] == [(newest, f"{newest}.damaged", before)], stderr
     _assert_like_reference(reference, cfg_path, workdir)
+    assert (Path(workdir) / "checkpoints" / f"{newest}.damaged").is_dir()  # kept, never deleted
 
 
 def test_damaged_newest_checkpoint_says_only_what_happened(damaged):
-    _, _, newest, _, stderr = damaged
+    kind, _, newest, _, stderr = damaged
     lines = stderr.strip().splitlines()
-    # The fallback note; the abandoned step is dropped when the resumed run first saves.
-    assert len(lines) == 2 and lines[0].startswith(f"checkpoint: step {newest} unreadable ("), stderr
-    assert lines[1] == f"checkpoint: removing unreadable step {newest}", stderr
+    why = "state/manifest.ocdbt is missing" if kind == "no-manifest" else r"state/\S+ holds other bytes than were written"
+    assert len(lines) == 1 and re.fullmatch(rf"checkpoint: step {newest} is damaged \({why}\); .*", lines[0]), stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,13 +261,13 @@ def test_non_finite_loss_exits_1_and_every_checkpoint_left_is_finite(cfg_path, n
     kept = kr.committed_steps(workdir / "checkpoints")
     assert kept and max(kept) < int(m[1]) and not kr.inflight_saves(workdir / "checkpoints")
     # Every checkpoint left restores (newest first; each then removed) to finite values.
-    exp = train.build(config.load(cfg_path, [*NAN, f"workdir={workdir}"]))
+    exp = experiment.build(config.load(cfg_path, [*NAN, "checkpoint.every=0", f"workdir={tmp_path / 'target'}"]))
     target = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), exp.state), jax.tree.map(lambda x: x.sharding, exp.state))
     for step in reversed(kept):
         with Checkpointer(workdir / "checkpoints", every=0, keep=0) as ckpt:
-            state, _, restored = ckpt.restore(*target)
-        assert restored == step and not ckpt.skipped
-        for leaf in jax.tree.leaves((state.params, state.opt_state)):
+            restored = ckpt.restore(*target)
+        assert restored.step == step and not ckpt.skipped
+        for leaf in jax.tree.leaves((restored.state.params, restored.state.opt_state)):
             assert np.isfinite(np.asarray(leaf)).all(), f"non-finite values in the checkpoint of step {step}"
         shutil.rmtree(workdir / "checkpoints" / str(step))
 

@@ -97,6 +97,26 @@ def test_errors_stay_one_line_with_odd_names(rules):
     one_line(e)
 
 
+@pytest.mark.parametrize(
+    "rules, substrings",
+    [
+        ("batch:data; données:model", ["dim name 'données'", "'données:model'", "ASCII"]),
+        ("batch:modèle", ["axis name 'modèle'", "ASCII"]),
+        ({"ｂａｔｃｈ": "data"}, ["dim name 'ｂａｔｃｈ'", "ASCII"]),
+        ("2d:data", ["dim name '2d'", "not an identifier"]),
+        ("batch:da ta", ["axis name 'da ta'", "not an identifier"]),
+        ((("batch", 3),), ["axis name 3", "not a string"]),
+        ("batch:" + "a" * 65, ["axis name", "65 characters", "at most 64"]),
+    ],
+)
+def test_parse_rules_names_are_ascii_identifiers(rules, substrings):
+    # Dims without a model tensor are never looked up, so only this check catches them.
+    with pytest.raises(LayoutError) as e:
+        parse_rules(rules)
+    expect(e, *substrings)
+    assert parse_rules("b" * 64 + ":data") == (("b" * 64, "data"),)
+
+
 def test_layout_error_is_value_error():
     assert issubclass(LayoutError, ValueError)
 

@@ -4,6 +4,7 @@ host-buffer reuse never overwrites a buffer a placed batch aliases; memory accou
 import dataclasses
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from input_pipeline.batching import HostLoader
-from input_pipeline.feeding import DirectFeeder, RoutedFeeder
+from input_pipeline.feeding import FEEDERS, DirectFeeder, RoutedFeeder
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
 from meshpar import config, train
@@ -34,8 +35,11 @@ def _setup(mesh_spec="data:8", reuse=False, rows=64):
 def test_every_depth_yields_the_same_batches_in_order(depth):
     loader, shardings = _setup()
     feeder = DirectFeeder(shardings, 64)
+    got = []
     with Prefetcher(lambda s: feeder.place(loader.batch(s)), 3, 13, depth) as batches:
-        got = [(fed.step, np.asarray(fed.arrays["inputs"])) for fed in batches]
+        for fed in batches:
+            got.append((fed.step, np.asarray(fed.arrays["inputs"])))
+            del fed  # as the train loop does: depth 0 places the next batch only after this one is gone
     assert [s for s, _ in got] == list(range(3, 13))
     for step, inputs in got:
         np.testing.assert_array_equal(inputs, loader.batch(step)["inputs"])
@@ -54,14 +58,15 @@ def test_producer_error_reaches_the_consumer_at_its_batch(depth):
         with Prefetcher(produce, 0, 10, depth) as batches:
             for fed in batches:
                 seen.append(fed.arrays)
+                del fed
     assert seen == [0, 1, 2, 3]
     assert not _threads()
 
 
-def test_close_while_producer_is_blocked_on_a_full_queue_joins_it():
+def test_close_while_producer_is_blocked_waiting_for_a_slot_joins_it():
     batches = Prefetcher(lambda s: (s, None), 0, 1000, depth=2)
     assert next(batches).step == 0
-    time.sleep(0.2)  # the producer fills the queue and blocks on put
+    time.sleep(0.2)  # the producer takes every slot and waits for one to free
     assert _threads()
     batches.close()
     assert not _threads()
@@ -74,9 +79,70 @@ def test_stall_time_is_measured():
         time.sleep(0.05)
         return step, None
 
+    waits = []
     with Prefetcher(slow, 0, 3, depth=0) as batches:
-        waits = [fed.wait_s for fed in batches]
+        for fed in batches:
+            waits.append(fed.wait_s)
+            del fed
     assert min(waits) >= 0.05
+
+
+def _iterate_like_the_loop(depth, mode, steps=6):
+    """Iterate `steps` batches at `depth`, dropping each after use as the train loop does.
+    Returns the most placed batches alive at once (counted with weak references at every
+    placement, the one in use included), the feeder, and the steps in the order received."""
+    loader, shardings = _setup()
+    feeder = FEEDERS[mode](shardings, 64)
+    lock, alive, most, placed, order = threading.Lock(), [], [0], [0], []
+
+    def produce(step):
+        arrays, info = feeder.place(loader.batch(step))
+        with lock:
+            alive.append(weakref.ref(arrays["inputs"]))
+            most[0] = max(most[0], sum(r() is not None for r in alive))
+            placed[0] += 1
+        return arrays, info
+
+    with Prefetcher(produce, 0, steps, depth) as batches:
+        for fed in batches:
+            # Hold the batch until the producer is `depth` ahead (or done), then a moment more,
+            # so that a producer that places one batch too many gets the chance to.
+            deadline = time.monotonic() + 10
+            while placed[0] < min(fed.step + 1 + depth, steps) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.01)
+            np.testing.assert_array_equal(np.asarray(fed.arrays["inputs"]), loader.batch(fed.step)["inputs"])
+            order.append(fed.step)
+            del fed
+    return most[0], feeder, order
+
+
+@pytest.mark.parametrize("depth, mode", [(0, "direct"), (1, "direct"), (2, "direct"), (1, "routed")])
+def test_prefetch_k_keeps_at_most_k_plus_one_placed_batches_alive(depth, mode):
+    most, feeder, order = _iterate_like_the_loop(depth, mode)
+    assert order == list(range(6))
+    assert most == depth + 1  # reached (it does prefetch k ahead) and never exceeded
+    # The feeder's own accounting agrees: every device's peak is k+1 of its slices, no more.
+    batch = sum(v.nbytes for v in _setup()[0].batch(0).values())
+    peaks = {int(k): v for k, v in feeder.memory_report()["peak_input_bytes"].items()}
+    others = {d: v for d, v in peaks.items() if mode == "direct" or d != feeder.relay.id}
+    assert others == {d: (depth + 1) * batch // 8 for d in others}
+    assert peaks[feeder.relay.id] >= (batch if mode == "routed" else 0)
+    # Every batch is released once dropped; routed keeps only the last batch's staging copy.
+    assert feeder.live_bytes() == ({feeder.relay.id: batch} if mode == "routed" else {})
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_a_caller_holding_every_live_batch_gets_an_error_not_a_deadlock(depth):
+    loader, shardings = _setup()
+    feeder = DirectFeeder(shardings, 64)
+    with Prefetcher(lambda s: feeder.place(loader.batch(s)), 0, 10, depth) as batches:
+        held = [next(batches) for _ in range(depth + 1)]
+        with pytest.raises(RuntimeError, match=f"prefetch depth {depth} allows {depth + 1} placed batch"):
+            next(batches)
+        del held  # released: iteration goes on where it stopped
+        assert next(batches).step == depth + 1
+    assert not _threads()
 
 
 def _place_and_recycle(loader, feeder, step, check_aliasing=True):

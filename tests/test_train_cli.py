@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from meshpar import train
+
 TINY = """
 mesh: data:4,model:2
 layout: batch:data; hidden:model
@@ -84,3 +86,89 @@ def test_cli_missing_config_file(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip() == f"config error: config: file not found: {tmp_path / 'nope.yaml'}"
+
+
+# ----------------------------------------------------------------------------------------------
+# One checkpoint folder, one run; filesystem mistakes in one line.
+
+
+def _main(capsys, tmp_path, *overrides):
+    """The CLI in-process: (exit status, stderr lines)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    status = train.main(["--config", str(path), f"workdir={tmp_path / 'run'}", *overrides])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def _tree(directory):
+    return {p.relative_to(directory).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(directory.rglob("*"))}
+
+
+SHORT = ["train.steps=4", "checkpoint.every=2", "train.log_every=1", "train.eval_every=0"]
+
+
+def test_a_fresh_run_never_mixes_with_an_earlier_one_in_its_checkpoint_folder(tmp_path, capsys):
+    assert _main(capsys, tmp_path, *SHORT)[0] == 0
+    ckpt, run = tmp_path / "run" / "checkpoints", tmp_path / "run"
+    before, metrics = _tree(ckpt), (run / "metrics.jsonl").read_text()
+    status, err = _main(capsys, tmp_path, *SHORT, "optimizer.learning_rate=0.03")
+    assert status == 2 and err == [
+        f"checkpoint error: {ckpt} already holds steps [2, 4] of an earlier run; continue it with --resume, "
+        "or choose a new workdir / checkpoint.dir, or replace it with checkpoint.overwrite=true"
+    ]
+    assert _tree(ckpt) == before and (run / "metrics.jsonl").read_text() == metrics  # nothing touched
+
+    # Replacing it, said explicitly: the old steps, metrics and events go before the first save,
+    # so keep rotation (keep=1) can only ever see the new run's steps.
+    (run / "checkpoints" / "4.orbax-checkpoint-tmp").mkdir()  # a save of the old run that never committed
+    status, err = _main(capsys, tmp_path, *SHORT, "optimizer.learning_rate=0.03", "checkpoint.overwrite=true", "checkpoint.keep=1")
+    assert status == 0 and err == []
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4"] and len(list((run / "tb").iterdir())) == 1
+    replaced = _losses(run)
+    assert _main(capsys, tmp_path / "alone", *SHORT, "optimizer.learning_rate=0.03")[0] == 0
+    assert replaced == _losses(tmp_path / "alone" / "run") != [json.loads(line)["loss"] for line in metrics.splitlines()]
+    status, err = _main(capsys, tmp_path, *SHORT, "checkpoint.overwrite=true", "--resume")
+    assert status == 2 and err == ["config error: checkpoint.overwrite: replaces the earlier run, so it cannot be combined with --resume"]
+
+
+@pytest.mark.parametrize(
+    "setup, overrides, expected",
+    [
+        ("file", ["workdir={f}"], "config error: workdir: {f} is a file, not a directory"),
+        ("file", ["workdir={f}/run"], "config error: workdir: {f}/run lies under {f}, which is a file, not a directory"),
+        ("file", ["checkpoint.every=2", "checkpoint.dir={f}/ckpt"], "config error: checkpoint.dir: {f}/ckpt lies under {f}, which is a file, not a directory"),
+        ("dir", ["checkpoint.every=2", "checkpoint.dir=/proc/meshpar-ckpt"], "config error: checkpoint.dir: cannot create /proc/meshpar-ckpt: No such file or directory"),
+    ],
+)
+def test_filesystem_mistakes_are_one_line_before_any_step(tmp_path, capsys, setup, overrides, expected):
+    f = tmp_path / "in_the_way"
+    f.write_text("not a folder") if setup == "file" else f.mkdir()
+    status, err = _main(capsys, tmp_path, *[o.format(f=f) for o in overrides])
+    assert status == 2 and err == [expected.format(f=f)]
+
+
+def test_a_full_disk_at_save_time_ends_the_run_in_one_line_naming_the_last_step_saved(tmp_path, capsys):
+    # A 4-step run leaves step 4; resumed to 8 with files capped below a checkpoint's size
+    # (RLIMIT_FSIZE, SIGXFSZ ignored: writes fail with EFBIG, as on a full disk), step 6 cannot
+    # be written: one line, exit 2, step 4 intact.
+    assert _main(capsys, tmp_path, *SHORT)[0] == 0
+    limit = max(p.stat().st_size for p in (tmp_path / "run" / "checkpoints" / "4").rglob("*") if p.is_file()) // 2
+
+    capped = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'meshpar.train', *sys.argv[1:]])"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-c", capped, "--config", str(tmp_path / "tiny.yaml"), f"workdir={tmp_path / 'run'}",
+         *SHORT, "train.steps=8", "--resume"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert re.fullmatch(rf"checkpoint error: cannot write step 6 to {ckpt}/6 \(File too large \[errno 27\]; .*\); last step saved: 4", lines[0]), lines[0]
+    assert 4 in [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]

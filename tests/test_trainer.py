@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, train
+from meshpar import config, errors, experiment, loop
 from meshpar.metrics import read_jsonl
 
 
@@ -25,8 +25,8 @@ def _cfg(**sections):
 
 def _run(cfg, tmp_path, name):
     cfg = dataclasses.replace(cfg, workdir=str(tmp_path / name))
-    exp = train.build(cfg)
-    summary = train.train(exp)
+    exp = experiment.build(cfg)
+    summary = loop.train(exp)
     losses = [r["loss"] for r in _rows(tmp_path / name / "metrics.jsonl")]
     return exp, summary, losses
 
@@ -48,7 +48,7 @@ def test_routed_and_direct_train_bit_identically(tmp_path):
 
 
 def test_state_shardings_follow_the_layout():
-    exp = train.build(_cfg())
+    exp = experiment.build(_cfg())
     params = exp.state.params
     first = params["layers"][0]["kernel"].get_value()
     assert first.sharding.spec == jax.sharding.PartitionSpec(None, "model")
@@ -71,5 +71,5 @@ def test_eval_reports_loss_and_accuracy(tmp_path):
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):
     cfg = _cfg(optimizer={"name": "sgd", "learning_rate": 1e30, "b1": 0.0})
-    with pytest.raises(train.TrainingError, match=r"step \d+: loss is (nan|inf)"):
+    with pytest.raises(errors.TrainingError, match=r"step \d+: loss is (nan|inf)"):
         _run(cfg, tmp_path, "nan")

@@ -13,7 +13,7 @@ from flax import nnx
 
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
-from meshpar import trainer
+from meshpar import stop, trainer
 from meshpar.inputs import batch_shardings
 from meshpar.models.transformer import TransformerConfig, build, flops_per_token, num_params
 
@@ -173,7 +173,7 @@ def _train(rules: str, mesh):
     losses = []
     for i in range(STEPS):
         batch = {k: jax.device_put(v, bs[k]) for k, v in _batch(i).items()}
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, stop.make_flags(mesh, 0))
         losses.append(float(metrics["loss"]))
     return layout, state, np.array(losses)
 

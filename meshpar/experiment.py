@@ -1,0 +1,124 @@
+"""An experiment built from its config: devices → mesh → layout → inputs → sharded state → steps.
+
+Everything that can be checked without running is checked here, before the first step — every
+parameter and activation against the layout (abstractly), the data against the model, the
+run's folders, and a checkpoint to resume against the config — and reported as one-line
+errors (:mod:`meshpar.errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+
+from input_pipeline.errors import DataError
+from meshpar import config as config_lib
+from meshpar import distributed, rundir, throughput, trainer
+from meshpar import inputs as inputs_lib
+from meshpar import layout as layout_lib
+from meshpar import mesh as mesh_lib
+from meshpar import resume as resume_lib
+from meshpar.checkpoint import Checkpointer
+from meshpar.config import Config, ConfigError
+from meshpar.models import MODELS
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config, ready to step."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    layout: layout_lib.Layout
+    inputs: inputs_lib.Inputs
+    state: trainer.TrainState
+    train_step: object  # (state, batch, stop flags) -> (state, metrics); state donated
+    eval_step: object  # (params, batch) -> metrics
+    flops_per_example: float  # model FLOPs of one training example (forward + backward)
+    tokens_per_example: int
+    peak_tflops: float  # per device, for MFU, for the arithmetic the model runs
+    peak_source: str
+    checkpointer: Checkpointer | None = None
+    record: dict = dataclasses.field(default_factory=dict)  # what each checkpoint records about the run
+    resumed_from: int | None = None  # the checkpoint step the state came from
+
+
+@contextlib.contextmanager
+def _config_key(key: str, *errors: type[Exception]):
+    """Report `errors` raised inside the block as a ConfigError on `key`."""
+    try:
+        yield
+    except errors as e:
+        raise ConfigError(key, str(e)) from None
+
+
+def make_mesh(cfg: Config) -> jax.sharding.Mesh:
+    """Simulated CPU devices where there is no accelerator, the other processes joined, the mesh.
+
+    In a multi-process run, :func:`meshpar.distributed.join` also starts the backend, so that
+    joining and gathering every process's devices fit in ``distributed.initialization_timeout``
+    (a process that cannot is ended with one line: jax's own wait would end in a C++ abort).
+    """
+    processes = cfg.distributed.num_processes
+    with _config_key("mesh", mesh_lib.MeshError):
+        total = mesh_lib.cpu_device_count(cfg.mesh)
+    if total % processes == 0:
+        try:
+            mesh_lib.request_cpu_devices(total // processes)  # this process's share (all of them when alone)
+        except RuntimeError:
+            pass  # backend already started (e.g. in-process tests); build_mesh reports a shortfall
+    # else: on accelerators the share does not matter; on CPU build_mesh names the shortfall
+    if processes > 1:
+        distributed.join(cfg.distributed)  # before any other JAX call: it starts the backend
+    with _config_key("mesh", mesh_lib.MeshError):
+        return mesh_lib.build_mesh(cfg.mesh)
+
+
+def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
+    problem = family.check_data(inputs.element_spec)
+    if problem:
+        raise DataError(f"{cfg.data.source} data for model {cfg.model.name}: {problem}")
+    num_classes = getattr(inputs.train.source, "num_classes", None)
+    if num_classes is not None and getattr(cfg.model, "num_classes", num_classes) != num_classes:
+        raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
+
+
+def build(cfg: Config) -> Experiment:
+    """Devices → mesh → layout → inputs → sharded state (fresh, or from a checkpoint) → jitted steps."""
+    rundir.check_paths(cfg)  # folders that cannot be created fail here, before any device work
+    mesh = make_mesh(cfg)
+    config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
+    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape))
+    inputs = inputs_lib.build(cfg, mesh, layout)
+    family = MODELS[cfg.model.name]
+    _check_data(cfg, family, inputs)
+    build_model = functools.partial(family.build, cfg.model, inputs.element_spec)
+    record = resume_lib.record(cfg, inputs)
+    # The schedule's horizon does not change the optimizer state's structure: the state is
+    # planned with this run's horizon, and the step is built with the restored run's.
+    tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
+    with _config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
+        plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, *shape), dtype) for k, (shape, dtype) in inputs.element_spec.items()}
+    with _config_key("layout", layout_lib.LayoutError):
+        trainer.check_params(plan.abstract.params, layout)
+        trainer.check_activations(plan, layout, mesh, batch)
+    checkpointer = rundir.open_checkpoints(cfg)
+    resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
+    if resumed:
+        state, record = resumed.state, resumed.record
+        tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
+    else:
+        state = plan.materialize(layout, mesh)
+    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, plan.shardings, inputs.shardings)
+    eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)
+    peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
+    flops = family.flops_per_example(cfg.model, inputs.element_spec)
+    tokens = family.tokens_per_example(cfg.model, inputs.element_spec)
+    return Experiment(
+        cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source,
+        checkpointer, record, resumed.step if resumed else None,
+    )
