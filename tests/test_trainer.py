@@ -73,3 +73,14 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     cfg = _cfg(optimizer={"name": "sgd", "learning_rate": 1e30, "b1": 0.0})
     with pytest.raises(errors.TrainingError, match=r"step \d+: loss is (nan|inf)"):
         _run(cfg, tmp_path, "nan")
+
+
+def test_eval_places_through_its_own_feeder_and_leaves_the_train_figures_alone(tmp_path):
+    # Routed, prefetching: evaluating through the train feeder would overwrite its relay staging
+    # while the prefetch thread places, and its batches would count as train input memory.
+    feed = {"mode": "routed", "prefetch": 2}
+    exp, with_eval, _ = _run(_cfg(feed=feed, train={"steps": 8, "eval_every": 2, "eval_batches": 2}), tmp_path, "eval")
+    _, without, _ = _run(_cfg(feed=feed, train={"steps": 8, "eval_every": 0}), tmp_path, "plain")
+    assert exp.inputs.eval_feeder is not exp.inputs.feeder and "final_eval_loss" in with_eval
+    assert with_eval["input_memory"]["peak_input_bytes"] == without["input_memory"]["peak_input_bytes"]
+    assert exp.inputs.eval_feeder.memory_report()["peak_input_bytes"] != {k: 0 for k in with_eval["input_memory"]["peak_input_bytes"]}
