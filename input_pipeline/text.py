@@ -2,8 +2,11 @@
 
 Tokens are raw bytes (vocab 256). A split is one ``uint8`` stream; example ``i`` is the
 window ``stream[i*length : i*length + length + 1]`` (stride ``length``, so consecutive windows
-share only their boundary byte and every byte after the first is a target exactly once), with
-``inputs = window[:-1]`` and ``targets = window[1:]``, both int32 ``[length]``. Reads are
+share only their boundary byte and every byte after the first is a target exactly once),
+served as one field, ``tokens [length + 1]``, in the narrowest dtype that holds the vocabulary
+(:func:`token_dtype`: ``uint8`` for bytes). The model cuts ``inputs = tokens[:-1]`` and
+``targets = tokens[1:]`` itself, on the devices: the host sends ``length + 1`` bytes per
+example instead of two int32 ``[length]`` arrays (``8 * length`` bytes), ~8x fewer. Reads are
 random-access, so the host loader's seeded permutation decides the order.
 
 Corpora:
@@ -38,10 +41,24 @@ def tokenize_bytes(texts: Sequence[bytes], separator: bytes = SEPARATOR) -> np.n
     return np.frombuffer(separator.join(bytes(t) for t in texts), dtype=np.uint8).copy()
 
 
-class TextWindows:
-    """Windows of ``length + 1`` tokens at stride ``length`` over a 1-D token stream."""
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype holding token ids ``0 .. vocab_size - 1``: uint8 up to 256 (bytes),
+    uint16 up to 65536, int32 above (what the model's embedding lookup takes anyway)."""
+    if vocab_size < 1:
+        raise DataError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dtype in (np.uint8, np.uint16):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    if vocab_size > np.iinfo(np.int32).max + 1:
+        raise DataError(f"vocab_size {vocab_size} does not fit int32 token ids")
+    return np.dtype(np.int32)
 
-    def __init__(self, token_stream: np.ndarray, length: int, what: str = "token stream"):
+
+class TextWindows:
+    """Windows of ``length + 1`` tokens at stride ``length`` over a 1-D stream of token ids in
+    ``[0, vocab_size)``, as ``{"tokens": [n, length + 1]}`` of :func:`token_dtype` (vocab_size)."""
+
+    def __init__(self, token_stream: np.ndarray, length: int, what: str = "token stream", vocab_size: int = VOCAB_SIZE):
         if length < 1:
             raise DataError(f"window length must be >= 1, got {length}")
         stream = np.asarray(token_stream)
@@ -51,7 +68,16 @@ class TextWindows:
             raise DataError(
                 f"{what} has {stream.size} tokens, fewer than one window of {length + 1} (length {length} + 1)"
             )
-        self.tokens, self.length, self.what = stream, length, what
+        if not np.issubdtype(stream.dtype, np.integer):
+            raise DataError(f"{what}: token ids must be integers, got dtype {stream.dtype}")
+        # Ids are checked and narrowed once here, so windows are cut without a cast (a byte
+        # stream under the byte vocabulary needs neither).
+        if np.iinfo(stream.dtype).min < 0 or np.iinfo(stream.dtype).max >= vocab_size:
+            low, high = int(stream.min()), int(stream.max())
+            if low < 0 or high >= vocab_size:
+                raise DataError(f"{what}: token ids span [{low}, {high}], outside the vocabulary [0, {vocab_size})")
+        stream = stream.astype(token_dtype(vocab_size), copy=False)
+        self.tokens, self.length, self.what, self.vocab_size = stream, length, what, vocab_size
         self._len = (stream.size - 1) // length
 
     def __len__(self) -> int:
@@ -59,19 +85,23 @@ class TextWindows:
 
     @property
     def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        spec = ((self.length,), np.dtype(np.int32))
-        return {"inputs": spec, "targets": spec}
+        return {"tokens": ((self.length + 1,), self.tokens.dtype)}
 
-    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Windows at `indices`, in that order: ``{"inputs": [n, length], "targets": [n, length]}``."""
+    def _positions(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices)
         if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
             raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
         if idx.size and (idx.min() < 0 or idx.max() >= self._len):
             raise IndexError(f"indices out of range [0, {self._len}) for {self.what}: min={idx.min()} max={idx.max()}")
-        pos = idx.astype(np.int64)[:, None] * self.length + np.arange(self.length + 1)  # [n, length + 1]
-        windows = self.tokens[pos].astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+        return idx.astype(np.int64)[:, None] * self.length + np.arange(self.length + 1)  # [n, length + 1]
+
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Windows at `indices`, in that order: ``{"tokens": [n, length + 1]}``."""
+        return {"tokens": self.tokens[self._positions(indices)]}
+
+    def read_into(self, indices: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """:meth:`read` into `out`'s buffers (``feed.reuse_buffers``)."""
+        np.take(self.tokens, self._positions(indices), out=out["tokens"])
 
 
 def stdlib_dir() -> str:

@@ -8,6 +8,7 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -85,6 +86,15 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    # Trace steps start .. start + steps - 1 (numbered as in metrics.jsonl, the first step is 1)
+    # with jax.profiler into <workdir>/profile: the .xplane.pb that TensorBoard's profile plugin
+    # reads and a Perfetto trace (perfetto_trace.json.gz, for ui.perfetto.dev). steps 0 = off.
+    start: int = dataclasses.field(default=2, metadata=between(1, INT32_MAX))
+    steps: int = dataclasses.field(default=0, metadata=between(0, INT32_MAX))
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = dataclasses.field(default=100, metadata=between(1, INT32_MAX))
     # Global batch size, summed over all devices and processes.
@@ -96,8 +106,18 @@ class TrainConfig:
     # Validation every this many steps (0 = never); on `eval_batches` batches of the eval split.
     eval_every: int = dataclasses.field(default=0, metadata=at_least(0))
     eval_batches: int = dataclasses.field(default=4, metadata=at_least(1))
+    # Gradient accumulation: each step's batch is split into this many microbatches inside the
+    # jitted step (each device splits its own rows), their gradients summed, one update.
+    microbatches: int = dataclasses.field(default=1, metadata=between(1, INT32_MAX))
     # Show the rich progress bar (off in tests and under CI logs).
     progress: bool = True
+    # Fetch every step's loss right after dispatching it (the host waits for each step). By
+    # default a step's loss and gradient norm are fetched one step late, after the next step is
+    # dispatched, so the host never leaves the devices idle; the results are bit-identical.
+    # true helps debugging: an error surfaces at its own step and step times are one step each.
+    sync_every_step: bool = False
+    # A jax.profiler trace of a stretch of steps under <workdir>/profile.
+    profile: ProfileConfig = ProfileConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +167,27 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileCacheConfig:
+    # JAX's persistent compilation cache: compiled programs are kept in this folder and reused
+    # by the next start of the same program ("~" is the home folder; "" = no cache). The
+    # environment variable JAX_COMPILATION_CACHE_DIR, when set, wins over this key.
+    dir: str = "~/.cache/meshpar/jax"
+    # Programs that compile faster than this are not kept (jax's own default, 1 s, would leave
+    # out the quickstart's train step on CPU). JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS wins.
+    min_compile_secs: float = dataclasses.field(default=0.1, metadata=at_least(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     # Device mesh: "data:4,model:2", or a mapping; one axis may be -1 (= the remaining devices).
     mesh: tuple[tuple[str, int], ...] = (("data", -1),)
     # Logical dim → mesh axis: "batch:data; hidden:model", or a mapping. Unnamed dims replicate.
     layout: tuple[tuple[str, str], ...] = (("batch", "data"),)
+    # Rules for parameters and optimizer state only, on top of `layout` (a dim named here
+    # follows this rule, any other follows `layout`), e.g. "embed:data" splits them over the
+    # data axis too (FSDP / ZeRO-3); each layer's weights are gathered where they are used.
+    # A dim may take several axes: "embed:(replica,data)".
+    param_layout: tuple[tuple[str, str], ...] = ()
     model: Any = None  # one of the dataclasses in meshpar.models.MODELS, picked by model.name
     data: DataConfig = DataConfig()
     feed: FeedConfig = FeedConfig()
@@ -160,6 +196,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
     hardware: HardwareConfig = HardwareConfig()
+    compile_cache: CompileCacheConfig = CompileCacheConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
 
@@ -173,7 +210,7 @@ class Config:
 
     @property
     def layout_str(self) -> str:
-        return "; ".join(f"{d}:{a}" for d, a in self.layout)
+        return layout_lib.format_rules(self.layout)
 
 
 def _model(raw: Any) -> Any:
@@ -204,7 +241,8 @@ def from_dict(raw: Any) -> Config:
     raw = dict(raw)
     if "model" not in raw:
         raise ConfigError("model", "missing (set model.name)")
-    special = {"mesh": raw.pop("mesh", None), "layout": raw.pop("layout", None), "model": raw.pop("model")}
+    special = {k: raw.pop(k, None) for k in ("mesh", "layout", "param_layout")}
+    special["model"] = raw.pop("model")
     cfg = build(Config, raw, "")
     try:
         mesh = mesh_lib.parse_mesh(special["mesh"]) if special["mesh"] is not None else cfg.mesh
@@ -215,13 +253,18 @@ def from_dict(raw: Any) -> Config:
         layout_lib.Layout.create(layout, {a: max(n, 1) for a, n in mesh})
     except layout_lib.LayoutError as e:
         raise ConfigError("layout", str(e)) from None
-    cfg = dataclasses.replace(cfg, mesh=mesh, layout=layout, model=_model(special["model"]))
+    try:
+        param_layout = layout_lib.parse_rules(special["param_layout"])
+        layout_lib.Layout.create(param_layout, {a: max(n, 1) for a, n in mesh})
+    except layout_lib.LayoutError as e:
+        raise ConfigError("param_layout", str(e)) from None
+    cfg = dataclasses.replace(cfg, mesh=mesh, layout=layout, param_layout=param_layout, model=_model(special["model"]))
     check(cfg)
     return cfg
 
 
 # Folder settings: each becomes a path the run creates or reads.
-PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir")
+PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "compile_cache.dir")
 # The longest file name (one path component, in bytes) and path that Linux and macOS file systems
 # take; a longer one fails deep inside a library (orbax, tfds) instead of here.
 NAME_MAX, PATH_MAX = 255, 4095
@@ -263,6 +306,9 @@ def check(cfg: Config) -> None:
     for key in PATHS:
         section, _, name = key.rpartition(".")
         _check_path(key, getattr(getattr(cfg, section) if section else cfg, name))
+    profile = cfg.train.profile
+    if profile.steps and profile.start > cfg.train.steps:
+        raise ConfigError("train.profile.start", f"step {profile.start} is past train.steps {cfg.train.steps}: nothing would be traced")
     d = cfg.distributed
     if d.process_id >= d.num_processes:
         raise ConfigError("distributed.process_id", f"{d.process_id} is not below distributed.num_processes {d.num_processes}")
@@ -287,21 +333,33 @@ def check(cfg: Config) -> None:
     max_length = getattr(cfg.model, "max_length", None)
     if cfg.data.source in ("text", "tfds_text") and max_length is not None and cfg.data.length > max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
+    block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
+    if cfg.data.source in ("text", "tfds_text") and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
+        raise ConfigError(
+            "model.attention_block", f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)"
+        )
 
 
 def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
-    """train.batch_size splits evenly over the mesh axis the layout puts `batch` on.
+    """train.batch_size splits evenly over the mesh axes the layout puts `batch` on, and each
+    of those shards into train.microbatches.
 
     With the config's own mesh a -1 axis is not known yet and is skipped: call this again with
     the built mesh's shape (``dict(mesh.shape)``), where a -1 axis has its size.
     """
-    data_axis = dict(cfg.layout).get("batch")
-    n = mesh_shape.get(data_axis, -1) if data_axis is not None else -1
-    if n > 0 and cfg.train.batch_size % n:
-        raise ConfigError(
-            "train.batch_size",
-            f"{cfg.train.batch_size} is not divisible by mesh axis '{data_axis}' of size {n} (layout batch:{data_axis})",
-        )
+    axes = dict(cfg.layout).get("batch")
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = [mesh_shape.get(a, -1) for a in names]
+    if any(n <= 0 for n in sizes):
+        return
+    n, batch, k = math.prod(sizes), cfg.train.batch_size, cfg.train.microbatches
+    split = " × ".join(f"mesh axis '{a}' of size {m}" for a, m in zip(names, sizes))
+    rule = f"layout batch:{layout_lib.format_axes(axes)}" if names else ""
+    if batch % n:
+        raise ConfigError("train.batch_size", f"{batch} is not divisible by {split} ({rule})")
+    if (batch // n) % k:
+        shards = f"the {batch // n} rows of each of the {n} batch shards ({rule})" if names else f"the batch of {batch}"
+        raise ConfigError("train.microbatches", f"{k} does not divide {shards}")
 
 
 def _is_key(cfg: Config, key: str) -> bool:
@@ -332,7 +390,7 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None or not isinstance(child, Mapping):
-                if child is not None and i == 0 and part in ("mesh", "layout"):
+                if child is not None and i == 0 and part in ("mesh", "layout", "param_layout"):
                     raise ConfigError(key, f"'{part}' is a single value; override it as {part}=...")
                 child = {}
             node[part] = dict(child)
@@ -369,4 +427,5 @@ def to_dict(cfg: Config) -> dict:
     """Plain dict for summary.json (mesh and layout as their strings)."""
     out = dataclasses.asdict(cfg)
     out["mesh"], out["layout"] = cfg.mesh_str, cfg.layout_str
+    out["param_layout"] = layout_lib.format_rules(cfg.param_layout)
     return out

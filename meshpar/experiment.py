@@ -13,10 +13,11 @@ import dataclasses
 import functools
 
 import jax
+import optax
 
 from input_pipeline.errors import DataError
 from meshpar import config as config_lib
-from meshpar import distributed, rundir, throughput, trainer
+from meshpar import compile_cache, distributed, rundir, throughput, trainer
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
@@ -86,26 +87,48 @@ def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
         raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
 
 
+def abstract_batch(cfg: Config, element_spec: dict, shardings: dict | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global train batch as shapes (with `shardings`, where given)."""
+    return {
+        k: jax.ShapeDtypeStruct((cfg.train.batch_size, *shape), dtype, sharding=shardings and shardings[k])
+        for k, (shape, dtype) in element_spec.items()
+    }
+
+
+def plan_model(
+    cfg: Config, mesh: jax.sharding.Mesh, layout: layout_lib.Layout, element_spec: dict, decay_steps: int
+) -> tuple[optax.GradientTransformation, trainer.StatePlan]:
+    """The optimizer and the train state's plan (shapes, shardings), every parameter and
+    activation checked against the layout; nothing allocated. Parameters and optimizer state
+    are placed by `layout` with ``param_layout`` on top; activations by `layout`."""
+    family = MODELS[cfg.model.name]
+    build_model = functools.partial(family.build, cfg.model, element_spec)
+    tx = trainer.make_optimizer(cfg.optimizer, decay_steps)
+    params_layout = layout.overlay(cfg.param_layout)
+    with _config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
+        _, abstract_params = trainer.abstract_model(build_model)
+    with _config_key("param_layout" if cfg.param_layout else "layout", layout_lib.LayoutError):
+        trainer.check_params(abstract_params, params_layout)  # before any sharding is made of them
+        plan = trainer.plan_state(build_model, tx, cfg.train.seed, params_layout, mesh)
+    with _config_key("layout", layout_lib.LayoutError):
+        trainer.check_activations(plan, layout, mesh, abstract_batch(cfg, element_spec))
+    return tx, plan
+
+
 def build(cfg: Config) -> Experiment:
     """Devices → mesh → layout → inputs → sharded state (fresh, or from a checkpoint) → jitted steps."""
     rundir.check_paths(cfg)  # folders that cannot be created fail here, before any device work
+    compile_cache.configure(cfg.compile_cache)  # before the first compilation
     mesh = make_mesh(cfg)
     config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
-    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape))
+    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
     inputs = inputs_lib.build(cfg, mesh, layout)
     family = MODELS[cfg.model.name]
     _check_data(cfg, family, inputs)
-    build_model = functools.partial(family.build, cfg.model, inputs.element_spec)
     record = resume_lib.record(cfg, inputs)
     # The schedule's horizon does not change the optimizer state's structure: the state is
     # planned with this run's horizon, and the step is built with the restored run's.
-    tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
-    with _config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
-        plan = trainer.plan_state(build_model, tx, cfg.train.seed, layout, mesh)
-    batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, *shape), dtype) for k, (shape, dtype) in inputs.element_spec.items()}
-    with _config_key("layout", layout_lib.LayoutError):
-        trainer.check_params(plan.abstract.params, layout)
-        trainer.check_activations(plan, layout, mesh, batch)
+    tx, plan = plan_model(cfg, mesh, layout, inputs.element_spec, record["decay_steps"])
     checkpointer = rundir.open_checkpoints(cfg)
     resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
     if resumed:
@@ -113,7 +136,8 @@ def build(cfg: Config) -> Experiment:
         tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
     else:
         state = plan.materialize(layout, mesh)
-    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, plan.shardings, inputs.shardings)
+    shardings, microbatches = plan.shardings, cfg.train.microbatches
+    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches)
     eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
     flops = family.flops_per_example(cfg.model, inputs.element_spec)

@@ -4,6 +4,12 @@ Mesh TensorFlow's layouts, in JAX. Every tensor carries a tuple of logical dimen
 (`("batch", "hidden")`); a layout such as ``"batch:data; hidden:model"`` maps names onto
 mesh axes. A name without a rule is replicated. The model never sees an axis name: it asks
 for ``spec(dims)`` (or calls :func:`constrain`) and the layout answers.
+
+A dim may be split over several mesh axes at once, ``batch:(replica,data)``: its
+PartitionSpec entry is ``("replica", "data")``, so it is split ``replica × data`` ways, the
+first axis major. A second rule set on top of a layout (:meth:`Layout.overlay`) gives the
+parameters and optimizer state their own placement (``param_layout``, FSDP / ZeRO-3) while
+activations keep the layout's.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 # meshpar.mesh first: it makes sure a bad JAX_NUM_CPU_DEVICES cannot break `import jax`.
@@ -24,47 +31,102 @@ class LayoutError(ValueError):
     """A layout that cannot be applied: the message is one line and names dims, axes, sizes."""
 
 
-Rules = str | Mapping[str, str] | tuple[tuple[str, str], ...] | None
+# A rule's target: one mesh axis, or several (``("replica", "data")``, first axis major).
+Axes = str | tuple[str, ...]
+Rules = str | Mapping[str, str | Sequence[str]] | tuple[tuple[str, Axes], ...] | None
 
 
-def parse_rules(rules: Rules) -> tuple[tuple[str, str], ...]:
+def format_axes(axes: Axes) -> str:
+    """``"data"`` → ``data``; ``("replica", "data")`` → ``(replica,data)``: the rule syntax."""
+    return axes if isinstance(axes, str) else f"({','.join(axes)})"
+
+
+def format_rules(rules: tuple[tuple[str, Axes], ...]) -> str:
+    """Parsed rules back to their text, ``batch:(replica,data); d_ff:model`` (parses to the same)."""
+    return "; ".join(f"{d}:{format_axes(a)}" for d, a in rules)
+
+
+def _axis_names(axes: Axes) -> tuple:
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _split_rules(text: str) -> list[str]:
+    """Split on ``;`` and ``,``, except for the ``,`` between a rule's parentheses."""
+    rules, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise LayoutError(f"rules {text!r} have unbalanced or nested parentheses")
+        if ch in ";," and depth == 0:
+            rules.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise LayoutError(f"rules {text!r} have an unclosed parenthesis")
+    return [*rules, current]
+
+
+def _parse_axes(text: str) -> Axes:
+    """``data`` → ``"data"``; ``(replica, data)`` → ``("replica", "data")``; ``(data)`` → ``"data"``."""
+    text = text.strip()
+    if text.startswith("(") and text.endswith(")"):
+        names = tuple(a.strip() for a in text[1:-1].split(","))
+        return names[0] if len(names) == 1 else names
+    return text
+
+
+def parse_rules(rules: Rules) -> tuple[tuple[str, Axes], ...]:
     """``"batch:data; hidden:model"`` (or ``{"batch": "data"}``, or parsed pairs) → ``(("batch", "data"), ...)``.
 
-    Rules are separated by ``;`` (Mesh TensorFlow's separator) or ``,``.
+    Rules are separated by ``;`` (Mesh TensorFlow's separator) or ``,``. A dim split over several
+    mesh axes names them in parentheses, ``batch:(replica,data)`` (a mapping may give a list),
+    and parses to ``("batch", ("replica", "data"))``.
     """
     if rules is None:
         return ()
     if isinstance(rules, tuple):
-        pairs = list(rules)
+        pairs = [(dim, tuple(axes) if isinstance(axes, list) else axes) for dim, axes in rules]
     elif isinstance(rules, Mapping):
-        pairs = [(str(k).strip(), str(v).strip()) for k, v in rules.items()]
+        pairs = []
+        for k, v in rules.items():
+            if isinstance(v, (list, tuple)):
+                axes = tuple(str(a).strip() for a in v)
+                pairs.append((str(k).strip(), axes[0] if len(axes) == 1 else axes))
+            else:
+                pairs.append((str(k).strip(), _parse_axes(str(v))))
     elif isinstance(rules, str):
         pairs = []
-        for rule in rules.replace(",", ";").split(";"):
+        for rule in _split_rules(rules):
             if not rule.strip():
                 continue
             dim, sep, axis = rule.partition(":")
             if not sep or ":" in axis:
                 raise LayoutError(f"rule {rule.strip()!r} is not 'dim:axis'")
-            pairs.append((dim.strip(), axis.strip()))
+            pairs.append((dim.strip(), _parse_axes(axis)))
     else:
         raise LayoutError(f"expected a string like 'batch:data; hidden:model' or a mapping, got {type(rules).__name__}")
     # Names are quoted with repr (same text as '...' for plain names), so a name holding a
     # newline or other control character cannot break an error message over lines.
-    seen: dict[str, str] = {}
-    for dim, axis in pairs:
-        if not dim or not axis:
-            raise LayoutError(f"rule {f'{dim}:{axis}'!r} has an empty dim or axis name")
+    seen: dict[str, Axes] = {}
+    for dim, axes in pairs:
+        rule = f"{dim}:{format_axes(axes) if isinstance(axes, (str, tuple)) else axes}"
+        names = _axis_names(axes)
+        if not dim or not names or any(a == "" for a in names):
+            raise LayoutError(f"rule {rule!r} has an empty dim or axis name")
         # The same names as the mesh's (see meshpar.mesh.name_problem): an axis name that is no
         # mesh axis would be reported as unknown anyway, but a dim named like no model dim is
         # otherwise never checked.
-        for what, name in (("dim", dim), ("axis", axis)):
+        for what, name in (("dim", dim), *(("axis", a) for a in names)):
             problem = name_problem(name)
             if problem:
-                raise LayoutError(f"{what} name {show_name(name)} in rule {show_name(f'{dim}:{axis}')} {problem}")
+                raise LayoutError(f"{what} name {show_name(name)} in rule {show_name(rule)} {problem}")
+        if len(set(names)) < len(names):
+            twice = next(a for a in names if names.count(a) > 1)
+            raise LayoutError(f"rule {rule!r} names mesh axis {twice!r} twice")
         if dim in seen:
-            raise LayoutError(f"dim {dim!r} is mapped twice (to {seen[dim]!r} and {axis!r})")
-        seen[dim] = axis
+            raise LayoutError(f"dim {dim!r} is mapped twice (to {format_axes(seen[dim])!r} and {format_axes(axes)!r})")
+        seen[dim] = axes
     return tuple(pairs)
 
 
@@ -72,56 +134,82 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, str], ...]:
 class Layout:
     """Layout rules checked against a mesh shape (``{"data": 4, "model": 2}``)."""
 
-    rules: tuple[tuple[str, str], ...]
+    rules: tuple[tuple[str, Axes], ...]
     axis_sizes: tuple[tuple[str, int], ...]
+    # ``param_layout``: rules that parameters and optimizer state follow on top of `rules`
+    # (see :attr:`params`); activations never do.
+    param_rules: tuple[tuple[str, Axes], ...] = ()
 
     @classmethod
-    def create(cls, rules: Rules, axis_sizes: Mapping[str, int]) -> "Layout":
-        parsed = parse_rules(rules)
-        for dim, axis in parsed:
-            if axis not in axis_sizes:
-                known = ", ".join(repr(a) for a in axis_sizes)
-                raise LayoutError(f"dim {dim!r} is mapped to unknown mesh axis {axis!r} (mesh axes: {known})")
-        return cls(parsed, tuple(axis_sizes.items()))
+    def create(cls, rules: Rules, axis_sizes: Mapping[str, int], params: Rules = None) -> Layout:
+        parsed, param_rules = parse_rules(rules), parse_rules(params)
+        for dim, axes in (*parsed, *param_rules):
+            for axis in _axis_names(axes):
+                if axis not in axis_sizes:
+                    known = ", ".join(repr(a) for a in axis_sizes)
+                    raise LayoutError(f"dim {dim!r} is mapped to unknown mesh axis {axis!r} (mesh axes: {known})")
+        return cls(parsed, tuple(axis_sizes.items()), param_rules)
+
+    @property
+    def params(self) -> Layout:
+        """Where parameters and optimizer state live: `param_rules` on top of `rules`."""
+        return self.overlay(self.param_rules)
+
+    def overlay(self, rules: Rules) -> Layout:
+        """This layout with `rules` on top: a dim they name follows them, every other dim keeps
+        this layout's rule. ``param_layout`` is applied to parameters this way."""
+        extra = Layout.create(rules, dict(self.axis_sizes)).rules
+        named = {dim for dim, _ in extra}
+        return Layout((*((d, a) for d, a in self.rules if d not in named), *extra), self.axis_sizes)
 
     def __str__(self) -> str:
-        return "; ".join(f"{d}:{a}" for d, a in self.rules)
+        return format_rules(self.rules)
 
-    def axis(self, dim: str) -> str | None:
-        """The mesh axis `dim` is split over, or None when it is replicated."""
+    def axis(self, dim: str) -> Axes | None:
+        """The mesh axis `dim` is split over (a tuple when several), or None when it is replicated."""
         return dict(self.rules).get(dim)
 
     def axis_size(self, dim: str) -> int:
-        """How many ways `dim` is split (1 when replicated)."""
-        axis = self.axis(dim)
-        return 1 if axis is None else dict(self.axis_sizes)[axis]
+        """How many ways `dim` is split: the product of its mesh axes' sizes (1 when replicated)."""
+        axes = self.axis(dim)
+        sizes = dict(self.axis_sizes)
+        return 1 if axes is None else math.prod(sizes[a] for a in _axis_names(axes))
 
     def spec(self, dims: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for a tensor whose dims are named `dims` (None = an unnamed dim)."""
         used: dict[str, str] = {}
         out = []
         for dim in dims:
-            axis = None if dim is None else self.axis(dim)
-            if axis is not None:
-                if axis in used:
-                    raise LayoutError(
-                        f"dims {used[axis]!r} and {dim!r} of one tensor {tuple(dims)} are both mapped to mesh axis {axis!r}"
-                    )
-                used[axis] = dim
-            out.append(axis)
+            axes = None if dim is None else self.axis(dim)
+            if axes is not None:
+                for axis in _axis_names(axes):
+                    if axis in used:
+                        raise LayoutError(
+                            f"dims {used[axis]!r} and {dim!r} of one tensor {tuple(dims)} are both mapped to mesh "
+                            f"axis {axis!r}"
+                        )
+                    used[axis] = dim
+            out.append(axes)
         return PartitionSpec(*out)
 
     def check_shape(self, dims: Sequence[str | None], shape: Sequence[int], what: str = "tensor") -> None:
         """Raise LayoutError unless every split dim of `shape` divides evenly by its axis size."""
         if len(dims) != len(shape):
             raise LayoutError(f"{what} has shape {tuple(shape)} but dims {tuple(dims)}")
-        self.spec(dims)
+        try:
+            self.spec(dims)
+        except LayoutError as e:
+            raise LayoutError(str(e) if what == "tensor" else f"{what}: {e}") from None
         for dim, size in zip(dims, shape):
             n = 1 if dim is None else self.axis_size(dim)
             if size % n:
-                raise LayoutError(
-                    f"dim {dim!r} of {what} has size {size}, not divisible by mesh axis {self.axis(dim)!r} of size {n}"
-                )
+                axes = self.axis(dim)
+                if isinstance(axes, tuple):
+                    sizes = dict(self.axis_sizes)
+                    split = f"mesh axes {axes} of sizes {'×'.join(str(sizes[a]) for a in axes)} = {n}"
+                else:
+                    split = f"mesh axis {axes!r} of size {n}"
+                raise LayoutError(f"dim {dim!r} of {what} has size {size}, not divisible by {split}")
 
     def sharding(self, mesh: Mesh, dims: Sequence[str | None]) -> NamedSharding:
         return NamedSharding(mesh, self.spec(dims))
@@ -139,6 +227,24 @@ def activate(layout: Layout, mesh: Mesh) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
+    """A parameter where the model computes with it: cast to `dtype` (the compute dtype; None
+    keeps its own) where it is stored, then placed by the active (activation) layout.
+
+    Under a ``param_layout`` that splits a weight further (FSDP) this is where it is gathered,
+    inside the layer scan when the model uses it there, and where its gradient is reduced back.
+    The cast is pinned to the parameter's own placement first: left alone, XLA's partitioner
+    moves the gather in front of the cast, and a bfloat16 model's gathers would move float32.
+    """
+    active = _ACTIVE.get()
+    if dtype is not None and w.dtype != dtype:
+        w = w.astype(dtype)
+        if active is not None and active[0].param_rules:
+            layout, mesh = active
+            w = jax.lax.with_sharding_constraint(w, layout.params.sharding(mesh, dims))
+    return constrain(w, dims)
 
 
 def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:

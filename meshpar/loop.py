@@ -1,15 +1,43 @@
 """The train loop: steps, and between them logging, eval, checkpoints and stopping, as calls.
 
-Two clocks, never mixed: ``step_time_s`` is one step from dispatch until its loss is on the
-host (device compute plus dispatch and one scalar fetch; no input wait, eval, checkpoint or
-logging), and ``wall_time_per_step_s`` is the whole loop's wall time divided by its steps.
-Throughput (examples/s, tokens/s, TFLOP/s, MFU) comes from wall time; the same figures from
-step time carry a ``step_`` prefix.
+**No per-step host sync.** A step's results (loss, gradient norm, the stop flag, the model's
+metrics) are fetched one step late: the loop dispatches step n+1, then waits for step n's
+results, so the host prepares and dispatches the next step while the devices compute and the
+devices never wait on the host. At most two train steps are in flight. The state a step
+returns is donated to the next step, so it can only be saved or evaluated before that next
+step is dispatched: the loop waits for a step right after dispatching it (a *sync step*)
+exactly where its state is needed or the run ends there — checkpoint steps, eval steps, the
+last step, a stop, and the step before and the last step of a ``train.profile`` trace. Log
+steps do not sync: their rows are written from the fetched values a step later. Checkpoint
+digests and eval run at sync steps only, with no train step in flight.
+``train.sync_every_step: true`` makes every step a sync step (same results, bit for bit).
+
+- **Stopping** (SIGINT/SIGTERM, see :mod:`meshpar.stop`): a step's ``stop`` output is read
+  with its other results. Read at a sync step, the run stops there; read a step late, step n+1
+  has already consumed step n's state, so the run stops at n+1, which is made a sync step and
+  saved. Every process reads the same flag at the same step and makes the same choice, so all
+  stop and save at the same step.
+- **The NaN guard** checks every step's loss and gradient norm in step order, so the first
+  non-finite step is the one named; a sync step is checked before its state is saved, so a
+  non-finite state is never saved.
+- **Input batches**: a batch is dropped once its step is dispatched; its device buffers stay
+  alive until that step has run, so while one step runs and the next is placed, one more batch
+  than ``feed.prefetch + 1`` may occupy device memory.
+
+Two clocks, never mixed: ``step_time_s`` is one step from when it could start — its dispatch,
+or the arrival on the host of the previous step's results if later (one step runs at a time)
+— until its own results are on the host (see :class:`meshpar.metrics.RunStats`), and
+``wall_time_per_step_s`` is the whole loop's wall time divided by its steps. Throughput
+(examples/s, tokens/s, TFLOP/s, MFU) comes from wall time; the same figures from step time
+carry a ``step_`` prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,6 +50,7 @@ from meshpar.checkpoint import Checkpointer
 from meshpar.errors import OutputError, TrainingError
 from meshpar.experiment import Experiment
 from meshpar.metrics import MetricsWriter, RunStats, write_summary
+from meshpar.profiler import StepTrace
 from meshpar.resume import position
 from meshpar.stop import Interrupted, StopSignals
 
@@ -60,6 +89,17 @@ def _last_saved(ckpt: Checkpointer | None) -> str:
     return f"last checkpoint saved: step {ckpt.last_saved}" if ckpt.last_saved is not None else "no checkpoint saved"
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose results are not on the host yet."""
+
+    step: int  # its number (the run's first step is 1)
+    metrics: dict  # device arrays
+    dispatched: float  # perf_counter at dispatch
+    wait_s: float  # how long the loop waited for its batch
+    placement: Any  # what placing its batch cost (input_pipeline.feeding.Placement)
+
+
 def train(exp: Experiment) -> dict:
     """The train loop. Returns the summary (also written to ``<workdir>/summary.json``)."""
     cfg, inputs, state, ckpt = exp.cfg, exp.inputs, exp.state, exp.checkpointer
@@ -69,65 +109,115 @@ def train(exp: Experiment) -> dict:
             ckpt.close()
         return {"steps": cfg.train.steps, "already_at_step": start}
     lead = jax.process_index() == 0  # one process writes the run's outputs and shows progress
-    stats, losses, last_eval, placement = RunStats(), [], {}, None
-    writer = None
+    book = None
     try:
-        writer = MetricsWriter(cfg.workdir, start, enabled=lead)
-        with _progress(cfg.train.progress and lead) as progress, inputs.batches(start, cfg.train.steps) as batches, StopSignals(exp.mesh) as stop:
-            task = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra="")
-            stats.start()
+        book = _Book(exp, start, lead)
+        with book.progress, inputs.batches(start, cfg.train.steps) as batches, StopSignals(exp.mesh) as stop, book.trace:
+            book.stats.start()
+            pending = None  # the step dispatched before, its results not fetched yet
             for fed in batches:
+                step = fed.step + 1
+                book.trace.before(step, state)
                 dispatched = time.perf_counter()
                 state, metrics = exp.train_step(state, fed.arrays, stop.flags())
-                loss = float(metrics["loss"])  # waits for the step: step times are real, not dispatch times
-                done, placement = fed.step + 1, fed.info
-                stats.add(time.perf_counter() - dispatched, fed.wait_s, placement.seconds)
-                del fed  # the batch is released before the next is placed (feed.prefetch + 1 live at most)
-                _check_finite(loss, float(metrics["grad_norm"]), done, ckpt)
-                losses.append(loss)
-                stopping = int(metrics["stop"])  # the same on every process (see meshpar.stop)
-                if ckpt:
-                    ckpt.maybe_save(state, position(done), exp.record, force=done == cfg.train.steps or bool(stopping))
-                evaluated = bool(cfg.train.eval_every and inputs.eval) and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-                if evaluated:
-                    last_eval = evaluate(exp, state)
-                if evaluated or done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                    window = stats.window()
-                    row = {"loss": loss, **window, **_scalars(metrics), **(last_eval if evaluated else {})}
-                    row.update(rates(exp, window["wall_time_per_step_s"]))
-                    row.update(rates(exp, window["step_time_s"], prefix="step_"))
-                    writer.write(done, row)
-                    progress.update(task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(last_eval))
-                progress.update(task, completed=done)
-                if stopping:
-                    if ckpt:
-                        ckpt.wait()  # the stop line says the step is saved: it must be committed
-                    raise Interrupted(stopping, done, saved=ckpt is not None)
-            stats.stop()
+                current = _InFlight(step, metrics, dispatched, fed.wait_s, fed.info)
+                del fed, metrics  # the batch is released before the next is placed
+                stopping = book.finish(pending) if pending is not None else 0  # the previous step's results, while this one runs
+                if stopping or book.syncs(step):  # `state` is this step's until the next dispatch
+                    pending, stopping = None, book.finish(current, state, stopping)
+                    if stopping:
+                        if ckpt:
+                            ckpt.wait()  # the stop line says the step is saved: it must be committed
+                        raise Interrupted(stopping, step, saved=ckpt is not None)
+                else:
+                    pending = current
+            book.stats.stop()
     except OutputError as e:
         raise OutputError(f"{e}; {_last_saved(ckpt)}") from None
     finally:
         try:
-            if writer is not None:
-                writer.close()
+            if book is not None:
+                book.writer.close()
         finally:
             if ckpt:
                 ckpt.close()  # waits for the last async save to commit
     exp.state = state
-    summary = _summary(exp, losses, last_eval, stats, placement)
+    summary = _summary(exp, book.losses, book.last_eval, book.stats, book.placement)
     if lead:
         try:
             write_summary(cfg.workdir, summary)
-            stats.write(cfg.workdir)
+            book.stats.write(cfg.workdir)
         except OutputError as e:
             raise OutputError(f"{e}; {_last_saved(ckpt)}") from None
     return summary
 
 
+class _Book:
+    """What the loop does with a step's results once they are on the host."""
+
+    def __init__(self, exp: Experiment, start: int, lead: bool):
+        cfg = exp.cfg
+        self.exp, self.ckpt, self.train = exp, exp.checkpointer, cfg.train
+        self.stats, self.losses, self.last_eval, self.placement = RunStats(), [], {}, None
+        self.trace = StepTrace(cfg.train.profile, cfg.workdir)
+        self.show = cfg.train.progress and lead
+        self.progress = _progress(self.show)
+        self.task = self.progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra="")
+        self.writer = MetricsWriter(cfg.workdir, start, enabled=lead)
+
+    def evals(self, step: int) -> bool:
+        every = self.train.eval_every
+        return bool(every and self.exp.inputs.eval) and (step % every == 0 or step == self.train.steps)
+
+    def syncs(self, step: int) -> bool:
+        """Whether the loop waits for `step` right after dispatching it (its state is needed)."""
+        ckpt = self.ckpt
+        return (
+            self.train.sync_every_step
+            or step == self.train.steps
+            or (ckpt is not None and ckpt.every > 0 and step % ckpt.every == 0)
+            or self.evals(step)
+            or self.trace.syncs(step)
+        )
+
+    def finish(self, done: _InFlight, state=None, stopping: int = 0) -> int:
+        """Fetch `done`'s results, check them, and log; with `state` (a sync step: the state it
+        returned, not yet donated) also save and evaluate, and save anyway when `stopping`.
+        Returns the stop signal number the step carried (0 = go on), or `stopping`."""
+        metrics = done.metrics
+        loss, grad_norm, flag = jax.device_get((metrics["loss"], metrics["grad_norm"], metrics["stop"]))
+        self.stats.add(done.dispatched, time.perf_counter(), done.wait_s, done.placement.seconds)
+        self.trace.after(done.step, state)
+        step, loss, grad_norm = done.step, float(loss), float(grad_norm)
+        _check_finite(loss, grad_norm, step, self.ckpt)
+        self.losses.append(loss)
+        self.placement = done.placement
+        stopping = max(stopping, int(flag))  # the same on every process (see meshpar.stop)
+        evaluated = False
+        if state is not None:
+            if self.ckpt:
+                last = step == self.train.steps
+                self.ckpt.maybe_save(state, position(step), self.exp.record, force=last or bool(stopping))
+            evaluated = self.evals(step)
+            if evaluated:
+                self.last_eval = evaluate(self.exp, state)
+        if evaluated or step % self.train.log_every == 0 or step == self.train.steps or (state is not None and stopping):
+            window = self.stats.window()
+            row = {"loss": loss, **window, **_scalars(metrics), **(self.last_eval if evaluated else {})}
+            row.update(rates(self.exp, window["wall_time_per_step_s"]))
+            row.update(rates(self.exp, window["step_time_s"], prefix="step_"))
+            self.writer.write(step, row)
+            if self.show:
+                self.progress.update(self.task, loss=loss, eps=row["examples_per_s"], extra=_eval_text(self.last_eval))
+        if self.show:
+            self.progress.update(self.task, completed=step)
+        return stopping
+
+
 def _check_finite(loss: float, grad_norm: float, step: int, ckpt: Checkpointer | None) -> None:
     """Stop on a non-finite loss or gradient; that state is never saved, so the newest
     checkpoint stays the last good one."""
-    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         if ckpt:
             ckpt.wait()  # the previous step's save may still be committing
         kept = ckpt.steps() if ckpt else []
@@ -136,7 +226,9 @@ def _check_finite(loss: float, grad_norm: float, step: int, ckpt: Checkpointer |
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(metrics).items() if k not in ("loss", "stop")}
+    """The step's metrics for its row, fetched only for rows (the loss comes first, from the
+    caller; no stop flag)."""
+    return {k: float(v) for k, v in jax.device_get({k: v for k, v in metrics.items() if k not in ("loss", "stop")}).items()}
 
 
 def _eval_text(last_eval: dict) -> str:

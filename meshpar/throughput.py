@@ -93,7 +93,7 @@ FLOAT32_MATMUL: dict[str, tuple[str, int, str]] = {
 
 
 def compute_dtype(model_cfg) -> str:
-    """The dtype the model's matmuls run in; "float32" for models without the option (the MLP)."""
+    """The dtype the model's matmuls run in (``model.compute_dtype``); "float32" for a model without the option."""
     return getattr(model_cfg, "compute_dtype", "float32")
 
 

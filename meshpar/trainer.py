@@ -152,20 +152,29 @@ def make_train_step(
     mesh: Mesh,
     state_shardings: TrainState,
     batch_shardings: Mapping[str, NamedSharding],
+    microbatches: int = 1,
 ) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
     """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
     is donated. `stop` holds one int32 per device (see :mod:`meshpar.stop`); ``metrics["stop"]``
-    is its maximum, the same on every process."""
+    is its maximum, the same on every process. With `microbatches` k > 1 the batch's gradients
+    are accumulated over k microbatches (see :func:`accumulate`) before the one update."""
 
     def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
 
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            return model.loss(batch, rngs=nnx.Rngs(dropout=step_rng))
+        def grad_fn(params, batch, key):
+            def loss_fn(params):
+                model = nnx.merge(graphdef, params)
+                return model.loss(batch, rngs=nnx.Rngs(dropout=key))
+
+            return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
         with layout_lib.activate(layout, mesh):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            if microbatches == 1:
+                (loss, aux), grads = grad_fn(state.params, batch, step_rng)
+            else:
+                param_shardings = state_shardings.params
+                (loss, aux), grads = accumulate(grad_fn, state.params, batch, step_rng, microbatches, param_shardings)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "stop": jnp.max(stop), **aux}
@@ -180,6 +189,40 @@ def make_train_step(
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+
+
+def split_microbatches(x: jax.Array, k: int) -> jax.Array:
+    """``[batch, ...]`` → ``[k, batch / k, ...]``, microbatch i holding rows i, i + k, i + 2k, ….
+
+    Every device's contiguous block of rows splits into k strided microbatches of its own, so
+    each microbatch takes rows from every device and no row moves between devices (the batch
+    dim's blocks stay where they are: ``[batch / k, k]`` has the same blocks on its first dim).
+    """
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:])  # [batch / k, k, ...]
+    return layout_lib.constrain(jnp.moveaxis(x, 1, 0), (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State):
+    """``grad_fn(params, batch, key) -> ((loss, aux), grads)`` over k microbatches of `batch`, in
+    a ``lax.scan``: gradients summed in float32 (kept in the parameters' shardings), then the
+    means of gradients, losses and metrics — the full batch's, as the microbatches are equal."""
+    micro = {name: split_microbatches(x, k) for name, x in batch.items()}
+    zeros = jax.tree.map(
+        lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, param_shardings
+    )
+
+    def body(total, xs):
+        i, mb = xs
+        (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
+        def add(t, g, s):  # the running sum, in float32, kept in the parameter's sharding
+            return jax.lax.with_sharding_constraint(t + g.astype(jnp.float32), s)
+
+        total = jax.tree.map(add, total, grads, param_shardings)
+        return total, (loss, aux)
+
+    total, (losses, aux) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+    grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+    return (losses.mean(), jax.tree.map(lambda a: a.mean(), aux)), grads
 
 
 def make_eval_step(

@@ -180,9 +180,10 @@ def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "evaluate", evaluate_then_signal)
     with pytest.raises(stop.Interrupted) as stopped:
         loop.train(exp)
-    # The flag set during step 10's eval rides into step 11; every process sees it there.
-    assert stopped.value.step == 11 and stopped.value.saved
-    assert 11 in exp.checkpointer.steps(), f"'checkpoint saved at step 11', yet the checkpoints are {exp.checkpointer.steps()}"
+    # The flag set during step 10's eval rides into step 11, whose results are read a step late
+    # (meshpar.loop), once step 12 has taken its state: every process stops at 12 and saves it.
+    assert stopped.value.step == 12 and stopped.value.saved
+    assert 12 in exp.checkpointer.steps(), f"'checkpoint saved at step 12', yet the checkpoints are {exp.checkpointer.steps()}"
 
 
 # ----------------------------------------------------------------------------------------------

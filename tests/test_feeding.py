@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from input_pipeline import feeding
 from input_pipeline.batching import HostLoader
 from input_pipeline.errors import DataError
 from input_pipeline.feeding import DirectFeeder, LiveBytes, RoutedFeeder, process_rows
@@ -78,6 +79,27 @@ def test_routed_moves_device_to_device_and_direct_does_not(data):
         assert staged.devices() == {routed.relay} and staged.shape == rows.shape
         np.testing.assert_array_equal(np.asarray(staged), rows)
         np.testing.assert_array_equal(np.asarray(placed[key]), rows)
+
+
+def test_routed_through_public_calls_only_gives_the_same_arrays(monkeypatch):
+    # Where jax's batched copy is missing, `assemble` falls back to device_put + make_array:
+    # same values, shards and input bytes per device, still device to device.
+    mesh = build_mesh("data:4,model:2")
+    shardings = {"inputs": NamedSharding(mesh, P("data", None)), "targets": NamedSharding(mesh, P("data"))}
+    batch = _batch()
+    fast, _ = RoutedFeeder(shardings, 64).place(batch)
+    monkeypatch.setattr(feeding, "_batched_device_put", None)
+    routed = RoutedFeeder(shardings, 64)
+    public, _ = routed.place(batch)
+    for key in batch:
+        assert public[key].sharding == fast[key].sharding
+        for a, b in zip(public[key].addressable_shards, fast[key].addressable_shards):
+            assert a.device == b.device and a.index == b.index
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    total = sum(v.nbytes for v in batch.values())
+    assert routed.live_bytes() == {0: total + total // 4, **{i: total // 4 for i in range(1, 8)}}
+    with jax.transfer_guard_device_to_device("disallow_explicit"), pytest.raises(Exception, match="Disallowed device-to-device"):
+        routed.place(batch)
 
 
 @pytest.mark.parametrize("data", [2, 4, 8])

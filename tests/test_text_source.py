@@ -17,6 +17,7 @@ from input_pipeline.text import (
     list_py_files,
     split_files,
     stdlib_dir,
+    token_dtype,
     tokenize_bytes,
 )
 
@@ -45,8 +46,8 @@ def _first_bytes(corpus: str, files: list[str], n: int) -> bytes:
 
 
 def test_element_spec_len_and_cap(train):
-    spec = ((LENGTH,), np.dtype(np.int32))
-    assert train.element_spec == {"inputs": spec, "targets": spec}
+    # One field of bytes: the window the model cuts inputs and targets from.
+    assert train.element_spec == {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}
     assert train.tokens.size == CAP and train.tokens.dtype == np.uint8
     assert len(train) == (CAP - 1) // LENGTH
     assert len(train.files_read) < len(train.files)  # the cap stopped reading early
@@ -56,22 +57,39 @@ def test_deterministic_across_instances(train):
     other = TextSource("train", LENGTH, max_bytes=CAP)
     idx = np.array([3, 0, len(train) - 1, 3, 1000])
     a, b = train.read(idx), other.read(idx)
-    for k in ("inputs", "targets"):
-        np.testing.assert_array_equal(a[k], b[k])
-        assert a[k].dtype == np.int32 and a[k].shape == (5, LENGTH)
+    assert set(a) == {"tokens"}
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    assert a["tokens"].dtype == np.uint8 and a["tokens"].shape == (5, LENGTH + 1)
 
 
-def test_windows_are_real_text_and_targets_shift(train):
-    batch = train.read(np.arange(len(train)))
-    x, y = batch["inputs"], batch["targets"]
-    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
-    np.testing.assert_array_equal(y[:-1, -1], x[1:, 0])  # window i+1 starts at window i's last target
+def test_windows_are_real_text_at_stride_length(train):
+    w = train.read(np.arange(len(train)))["tokens"]
+    np.testing.assert_array_equal(w[:-1, -1], w[1:, 0])  # window i+1 starts at window i's last token
     want = _first_bytes(train.corpus_dir, train.files, 2 * LENGTH + 1)
-    assert bytes(x[0].astype(np.uint8)) == want[:LENGTH]
-    assert bytes(y[1].astype(np.uint8)) == want[LENGTH + 1 : 2 * LENGTH + 1]
-    text = bytes(x[:50].astype(np.uint8).ravel()).decode("utf-8", errors="replace")
+    assert bytes(w[0]) == want[: LENGTH + 1]
+    assert bytes(w[1]) == want[LENGTH : 2 * LENGTH + 1]
+    text = bytes(w[:50].ravel()).decode("utf-8", errors="replace")
     assert "def " in text or "import " in text or '"""' in text  # Python source, not noise
-    assert x.min() >= 0 and x.max() < 256
+
+
+def test_read_into_reused_buffers_equals_read(train):
+    reused = HostLoader(train, batch_size=8, seed=3, reuse_buffers=True)
+    plain = HostLoader(train, batch_size=8, seed=3)
+    for step in (0, 5, 0):
+        np.testing.assert_array_equal(reused.batch(step)["tokens"], plain.batch(step)["tokens"])
+
+
+def test_token_dtype_is_the_narrowest_that_holds_the_vocabulary():
+    assert [token_dtype(v) for v in (2, 256, 257, 65536, 65537)] == [np.uint8, np.uint8, np.uint16, np.uint16, np.int32]
+    # A word-piece stream (ids up to 999, stored as int64): windows come out uint16, same ids.
+    ids = np.random.default_rng(0).integers(0, 1000, 101)
+    ids[[5, 50]] = 0, 999
+    w = TextWindows(ids, 10, vocab_size=1000)
+    assert w.element_spec == {"tokens": ((11,), np.dtype(np.uint16))}
+    np.testing.assert_array_equal(w.read(np.array([3]))["tokens"][0], ids[30:41])
+    _one_line_error(r"token ids span \[0, 999\], outside the vocabulary \[0, 512\)", TextWindows, ids, 10, vocab_size=512)
+    _one_line_error("must be integers", TextWindows, ids.astype(np.float32), 10, vocab_size=1000)
+    _one_line_error(r"span \[10, 122\], outside the vocabulary \[0, 100\)", TextWindows, tokenize_bytes([b"az"] * 6), 4, vocab_size=100)
 
 
 def test_stdlib_split_by_file_disjoint_and_complete():
@@ -110,8 +128,8 @@ def test_host_loader_gives_seeded_order(train):
     a = HostLoader(train, batch_size=8, seed=3).batch(5)
     b = HostLoader(train, batch_size=8, seed=3).batch(5)
     c = HostLoader(train, batch_size=8, seed=4).batch(5)
-    np.testing.assert_array_equal(a["inputs"], b["inputs"])
-    assert not np.array_equal(a["inputs"], c["inputs"])
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    assert not np.array_equal(a["tokens"], c["tokens"])
 
 
 def test_text_windows_and_tokenize():
@@ -120,8 +138,7 @@ def test_text_windows_and_tokenize():
     w = TextWindows(stream, 2)
     assert len(w) == 2  # (6 - 1) // 2
     out = w.read(np.array([1, 0]))
-    assert out["inputs"].tolist() == [[ord("c"), ord("\n")], [ord("a"), ord("b")]]
-    assert out["targets"].tolist() == [[ord("\n"), ord("d")], [ord("b"), ord("c")]]
+    assert out["tokens"].tolist() == [[ord("c"), ord("\n"), ord("d")], [ord("a"), ord("b"), ord("c")]]
     with pytest.raises(IndexError):
         w.read(np.array([2]))
 
@@ -157,10 +174,9 @@ def test_from_tfds_windows_all_rows(tfds_dir):
     want = "\n".join(texts).encode("utf-8")  # non-ASCII rows stay raw UTF-8 bytes
     assert bytes(src.tokens) == want
     assert len(src) == (len(want) - 1) // 16
-    batch = src.read(np.arange(len(src)))
-    assert bytes(batch["inputs"][0].astype(np.uint8)) == want[:16]
-    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    assert src.element_spec["inputs"] == ((16,), np.dtype(np.int32))
+    tokens = src.read(np.arange(len(src)))["tokens"]
+    assert bytes(tokens[0]) == want[:17] and bytes(tokens[1]) == want[16:33]
+    assert src.element_spec == {"tokens": ((17,), np.dtype(np.uint8))}
 
 
 def test_from_tfds_errors(tfds_dir):

@@ -77,7 +77,7 @@ def test_unknown_hardware_has_no_peak_and_says_which_key_to_set(kind, platform, 
 
 
 def test_compute_dtype_and_cpu_fallback():
-    assert throughput.compute_dtype(MLPConfig()) == "float32"  # the MLP has no compute dtype option
+    assert throughput.compute_dtype(MLPConfig()) == "float32"  # the default compute dtype
     assert throughput.compute_dtype(TransformerConfig(compute_dtype="bfloat16")) == "bfloat16"
     mesh = build_mesh("data:8")
     assert throughput.peak_tflops(mesh, 3.0, "bfloat16") == (3.0, "config")

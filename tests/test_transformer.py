@@ -19,14 +19,18 @@ from meshpar.models.transformer import TransformerConfig, build, flops_per_token
 
 VOCAB = {"batch", "length", "embed", "heads", "kv", "d_ff", "vocab", "layers"}
 LENGTH, BATCH = 32, 8
-SPEC = {"inputs": ((LENGTH,), np.dtype(np.int32)), "targets": ((LENGTH,), np.dtype(np.int32))}
+SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}  # as TextSource serves bytes
 TINY = TransformerConfig(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=2, max_length=LENGTH)
 
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random byte sequences; targets are inputs shifted by one (as TextSource makes them)."""
-    tokens = np.random.default_rng(seed).integers(0, 256, (BATCH, LENGTH + 1), dtype=np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    """Random byte windows ``[batch, length + 1]``, as TextSource serves them."""
+    return {"tokens": np.random.default_rng(seed).integers(0, 256, (BATCH, LENGTH + 1), dtype=np.int32).astype(np.uint8)}
+
+
+def _inputs(seed: int = 0) -> np.ndarray:
+    """The model's int32 inputs ``[batch, length]``: each window but its last token."""
+    return _batch(seed)["tokens"][:, :-1].astype(np.int32)
 
 
 def _params(model) -> list[tuple[str, nnx.Variable]]:
@@ -62,7 +66,7 @@ def _loss(model, batch, dropout_seed=None):
 def test_shapes_dims_and_param_count(cfg):
     model = build(cfg, SPEC, nnx.Rngs(0))
     batch = _batch()
-    logits = _logits_fn(cfg)[1](nnx.state(model), batch["inputs"])
+    logits = _logits_fn(cfg)[1](nnx.state(model), _inputs())
     assert logits.shape == (BATCH, LENGTH, 256) and logits.dtype == jnp.float32
     loss, metrics = _loss(model, batch)
     assert loss.shape == () and set(metrics) == {"accuracy"}
@@ -99,7 +103,7 @@ def test_flops_per_token_hand_count():
 def test_causal(positions):
     cfg = TransformerConfig(**{**TINY.__dict__, "positions": positions})
     params, fn = _logits_fn(cfg)
-    x = _batch()["inputs"]
+    x = _inputs()
     t = 13
     x2 = x.copy()
     x2[:, t] = (x2[:, t] + 1) % 256
@@ -220,3 +224,20 @@ def test_batch_and_embed_cannot_share_an_axis(mesh):
     batch = {k: jnp.asarray(v) for k, v in _batch().items()}
     with layout_lib.activate(layout, mesh), pytest.raises(layout_lib.LayoutError, match="'batch' and 'embed'"):
         jax.eval_shape(lambda: build(TINY, SPEC, nnx.Rngs(0)).loss(batch))  # traces only
+
+
+def test_the_token_window_is_cut_on_device_and_a_layout_may_split_length(mesh):
+    # The host sends one uint8 [batch, length + 1] window per row; the loss cuts inputs (its
+    # first length tokens) and targets (its last length) on the devices. The window dim is never
+    # split (length + 1 does not divide by the axis), so a layout that splits length still runs.
+    params, logits_fn = _logits_fn(TINY)
+    graphdef = nnx.graphdef(build(TINY, SPEC, nnx.Rngs(0)))
+    tokens = _batch()["tokens"]
+    logits = logits_fn(params, _inputs())
+    by_hand = float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:].astype(np.int32)).mean())
+    layout = layout_lib.Layout.create("batch:data; length:model", dict(mesh.shape))
+    placed = jax.device_put(tokens, batch_shardings(SPEC, layout, mesh)["tokens"])  # [batch, length + 1]
+    with layout_lib.activate(layout, mesh):
+        loss = float(jax.jit(lambda p, t: nnx.merge(graphdef, p).loss({"tokens": t})[0])(params, placed))
+    # float32; only the reduction order of the split contractions differs (as between layouts)
+    np.testing.assert_allclose(loss, by_hand, rtol=1e-5)

@@ -10,7 +10,6 @@ FLOPs and tokens of one training example, for throughput and MFU. Every model ha
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,7 @@ class Family:
 
 
 def _lm_flops(cfg: transformer.TransformerConfig, spec: dict) -> float:
-    (length,), _ = spec["inputs"]
+    length = transformer.window_length(spec)
     return transformer.flops_per_token(cfg, length) * length
 
 
@@ -55,7 +54,7 @@ MODELS: dict[str, Family] = {
         transformer.TransformerConfig,
         transformer.build,
         _lm_flops,
-        lambda cfg, spec: math.prod(spec["inputs"][0]),
-        {"inputs": (1, "iu"), "targets": (1, "iu")},
+        lambda cfg, spec: transformer.window_length(spec),  # predicted tokens: length, of length + 1
+        {"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
     ),
 }

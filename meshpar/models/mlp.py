@@ -5,6 +5,12 @@ logical dims only: the first hidden layer is ``hidden``, further ones ``hidden_2
 ``hidden_3``… (a weight ``[hidden, hidden]`` could not be split on one mesh axis twice, so
 consecutive layers need distinct names; ``hidden:model`` then gives the Megatron pattern of a
 column-split layer followed by a row-split one).
+
+``param_dtype`` / ``compute_dtype``: parameters (and so the optimizer's moments) are stored in
+one, every layer computes in the other, and the logits are cast to float32 for the softmax
+cross-entropy. ``remat`` (``none | full | dots``, :mod:`meshpar.models.remat`) applies to each
+hidden layer, whose values are tagged for name-based policies: ``layer_in`` (the layer's input)
+and ``pre_activation`` (its matmul's output ``[batch, hidden_i]``).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from meshpar.layout import constrain
+from meshpar.layout import constrain, use
+from meshpar.models import remat as remat_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +37,14 @@ class MLPConfig:
     # Output classes ("classes" dim); must match the data's labels.
     num_classes: int = dataclasses.field(default=10, metadata={"min": 2})
     activation: Literal["relu", "gelu", "tanh"] = "relu"
+    # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
+    # layers compute in: bfloat16 compute with float32 parameters is mixed precision. The loss
+    # (softmax cross-entropy) is float32 regardless.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # What each hidden layer keeps for the backward pass (meshpar.models.remat): none =
+    # everything; full = only its input, recomputing the layer; dots = its matmul's output.
+    remat: Literal["none", "full", "dots"] = "none"
 
 
 def hidden_dim(i: int) -> str:
@@ -38,33 +54,48 @@ def hidden_dim(i: int) -> str:
 class Dense(nnx.Module):
     """``y = x @ kernel + bias`` with the kernel named ``(d_in, d_out)``."""
 
-    def __init__(self, d_in: int, d_out: int, dims: tuple[str, str], *, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, dims: tuple[str, str], *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32), dims=dims)
-        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32), dims=dims[1:])
+        # Drawn in float32 and rounded, so a bfloat16 model starts from the float32 one's values.
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32).astype(param_dtype), dims=dims)
+        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), dims=dims[1:])
+        self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...] + self.bias[...]
+        dt = self.compute_dtype
+        # Each weight placed by the activation layout where it is used (gathered here, in the
+        # compute dtype, when a param_layout splits it further).
+        kernel, bias = (use(w[...], w.dims, dt) for w in (self.kernel, self.bias))
+        return x.astype(dt) @ kernel + bias
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: MLPConfig, num_features: int, *, rngs: nnx.Rngs):
         dims = ["pixels", *(hidden_dim(i) for i in range(len(cfg.hidden))), "classes"]
         widths = [num_features, *cfg.hidden, cfg.num_classes]
+        dtypes = {"param_dtype": jnp.dtype(cfg.param_dtype), "compute_dtype": jnp.dtype(cfg.compute_dtype)}
         self.dims = tuple(dims)
         self.layers = nnx.List(
-            [Dense(widths[i], widths[i + 1], (dims[i], dims[i + 1]), rngs=rngs) for i in range(len(widths) - 1)]
+            [Dense(widths[i], widths[i + 1], (dims[i], dims[i + 1]), **dtypes, rngs=rngs) for i in range(len(widths) - 1)]
         )
         self.activation = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh}[cfg.activation]
+        self.compute_dtype = dtypes["compute_dtype"]
+        self.remat = cfg.remat
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = constrain(x.reshape(x.shape[0], -1), ("batch", "pixels"))  # [batch, pixels]
+        """``inputs [batch, ...]`` → logits ``[batch, classes]`` in the compute dtype."""
+        x = constrain(x.reshape(x.shape[0], -1).astype(self.compute_dtype), ("batch", "pixels"))  # [batch, pixels]
         for layer, dim in zip(self.layers[:-1], self.dims[1:-1]):
-            x = constrain(self.activation(layer(x)), ("batch", dim))  # [batch, hidden_i]
+
+            def hidden(x, layer=layer, dim=dim):  # one hidden layer, under model.remat
+                pre = checkpoint_name(layer(checkpoint_name(x, "layer_in")), "pre_activation")
+                return constrain(self.activation(pre), ("batch", dim))
+
+            x = remat_lib.checkpointed(hidden, self.remat, in_scan=False)(x)  # [batch, hidden_i]
         return constrain(self.layers[-1](x), ("batch", "classes"))  # [batch, classes]
 
     def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
-        logits = self(batch["inputs"])
+        logits = self(batch["inputs"]).astype(jnp.float32)  # the softmax and the loss in float32
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         accuracy = (logits.argmax(-1) == labels).mean()

@@ -16,8 +16,26 @@ stack (compile time independent of depth), ``False`` unrolls a Python loop over 
 same arrays (XLA may schedule across layers; easier to profile). Both are supported because
 they cost nothing to keep apart: parameters, checkpoints, layouts and results are identical
 (a test checks the losses agree), so the switch is purely a compile-time/runtime trade.
+``scan_unroll`` sets the layers per scan iteration; its default (0) picks by backend at trace
+time: on CPU, stacks of up to 8 layers without remat run with no loop at all (see
+:func:`scan_unroll`), elsewhere one layer per iteration.
+
+The attention core is ``model.attention`` (``auto | xla | blockwise | cudnn``, see
+:mod:`meshpar.models.attention`); the dense projections run as 2-D matmuls over
+``batch·length`` rows (see :func:`dense`).
 The stack is built by hand (a leading dim on each initializer) rather than with ``nnx.vmap``,
 because NNX's transforms only rewrite flax's own ``sharding_names`` metadata, not our ``dims``.
+
+``remat`` (``none | full | dots``, see :mod:`meshpar.models.remat`) wraps the one function that
+runs a layer in ``jax.checkpoint``, the same way in the scan and unrolled. Each layer tags the
+values its backward pass reads with ``jax.ad_checkpoint.checkpoint_name``, so a policy can keep
+(or offload) them by name: ``layer_in`` (the layer's input ``[batch, length, embed]``),
+``attn_in`` (attention's normed input), ``query``, ``key``, ``value`` (``[batch, length, heads,
+kv]``, after rotary), ``context`` (attention's output per head ``[batch, length, heads, kv]``),
+``attn_out`` (its output projection ``[batch, length, embed]``), ``attn_residual`` (the residual
+stream after attention), ``mlp_in`` (the MLP's normed input) and ``mlp_hidden`` (after gelu
+``[batch, length, d_ff]``). Attention's ``[length, length]`` scores and probabilities carry no
+name: a policy that keeps only named values never keeps them.
 
 Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
   * ``batch:data; d_ff:model; heads:model; vocab:model`` — Mesh TensorFlow's data + model;
@@ -34,14 +52,19 @@ Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from meshpar.layout import constrain
+from meshpar.layout import constrain, use
+from meshpar.models import attention as attention_lib
+from meshpar.models import remat as remat_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BLOCK_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_in", "w_out")
@@ -65,6 +88,21 @@ class TransformerConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # loss is float32 regardless
     scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
+    # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
+    # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.
+    remat: Literal["none", "full", "dots"] = "none"
+    # Attention core (meshpar.models.attention): xla = full [length, length] scores; blockwise =
+    # flash-style over key blocks of attention_block positions (memory grows with length x
+    # block); cudnn = cuDNN's fused attention where it applies (CUDA GPU, bfloat16/float16,
+    # supported head dim), else blockwise; auto = cuDNN where it applies, else xla.
+    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
+    # Key/value positions per block of blockwise attention; must divide the length when smaller.
+    attention_block: int = dataclasses.field(default=512, metadata={"min": 1})
+    # Layers per iteration of the layer scan (lax.scan's unroll). 0 = by backend, at trace time:
+    # on CPU the whole stack when it has at most UNROLL_LAYERS_CPU layers (a loop iteration
+    # costs more there than the compile time it saves: stacked residuals are zero-filled,
+    # sliced and copied) unless remat is on, else 1.
+    scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dims: tuple[str, ...], std: float, dtype) -> nnx.Param:
@@ -99,28 +137,85 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+# Each block parameter's dims, without the leading ``layers`` of its stack.
+BLOCK_DIMS = {
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads", "kv"), "wk": ("embed", "heads", "kv"), "wv": ("embed", "heads", "kv"),
+    "wo": ("heads", "kv", "embed"),
+    "mlp_norm": ("embed",),
+    "w_in": ("embed", "d_ff"), "w_out": ("d_ff", "embed"),
+}  # fmt: skip
+
+
+def weight(p: dict[str, jax.Array], name: str, dtype=None) -> jax.Array:
+    """Block parameter `name` of one layer's weights `p`, placed for compute by :func:`meshpar.layout.use`."""
+    return use(p[name], BLOCK_DIMS[name], dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, n: int = 1) -> jax.Array:
+    """``x [batch, length, *in]`` times weight ``w [*in, *out]`` (its `n` leading dims contracted)
+    → ``[batch, length, *out]``, as one matmul ``[batch·length, in] × [in, out]``.
+
+    The reshapes are free (row-major bitcasts) and leave one contracting dim in every matmul of
+    the backward pass. As a 3-D einsum, the weight gradient contracts ``batch`` and ``length``
+    together, and XLA:CPU first wrote the output gradient out transposed, fused with the
+    elementwise backward before it (gelu's): a strided pass that took 30% of the quickstart step.
+    Merged, ``batch·length`` keeps the split of ``batch``; a layout that also splits ``length``
+    still gives the same result, with XLA resharding the merged rows.
+    """
+    lead, inner = x.shape[: x.ndim - n], x.shape[x.ndim - n :]
+    k, out = math.prod(inner), w.shape[n:]
+    y = x.reshape(-1, k) @ w.reshape(k, math.prod(out))
+    return y.reshape(*lead, *out)
+
+
 def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
     """One layer on ``x [batch, length, embed]``; `p` holds this layer's (unstacked) weights."""
     dt = DTYPES[cfg.compute_dtype]
     k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
     act = ("batch", "length", "heads", "kv")
-    h = rms_norm(x, p["attn_norm"])  # [batch, length, embed]
-    q, k, v = (constrain(jnp.einsum("ble,ehk->blhk", h, p[w].astype(dt)), act) for w in ("wq", "wk", "wv"))
+    x = checkpoint_name(x, "layer_in")
+    h = rms_norm(x, weight(p, "attn_norm"))  # [batch, length, embed]
+    h = checkpoint_name(h, "attn_in")
+    q, k, v = (constrain(dense(h, weight(p, w, dt)), act) for w in ("wq", "wk", "wv"))
     if cfg.positions == "rotary":
         q, k = rotary(q), rotary(k)
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * cfg.d_head**-0.5
-    scores = constrain(scores, ("batch", "heads", "length", None))  # [batch, heads, length, length']
-    length = x.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]  # [length, length']
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    o = constrain(jnp.einsum("bhqs,bshk->bqhk", probs, v), act)  # [batch, length, heads, kv]
-    attn = jnp.einsum("blhk,hke->ble", o, p["wo"].astype(dt))
+    q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    o = constrain(attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), act)  # [batch, length, heads, kv]
+    o = checkpoint_name(o, "context")
+    attn = dense(o, weight(p, "wo", dt), 2)
+    attn = checkpoint_name(attn, "attn_out")
     x = constrain(x + dropout(attn, cfg.dropout, k_attn), ("batch", "length", "embed"))
-    h = rms_norm(x, p["mlp_norm"])
-    f = constrain(jax.nn.gelu(h @ p["w_in"].astype(dt)), ("batch", "length", "d_ff"))  # [batch, length, d_ff]
-    mlp = f @ p["w_out"].astype(dt)  # [batch, length, embed]
+    x = checkpoint_name(x, "attn_residual")
+    h = checkpoint_name(rms_norm(x, weight(p, "mlp_norm")), "mlp_in")
+    f = constrain(jax.nn.gelu(dense(h, weight(p, "w_in", dt))), ("batch", "length", "d_ff"))  # [batch, length, d_ff]
+    f = checkpoint_name(f, "mlp_hidden")
+    mlp = dense(f, weight(p, "w_out", dt))  # [batch, length, embed]
     return constrain(x + dropout(mlp, cfg.dropout, k_mlp), ("batch", "length", "embed"))
+
+
+UNROLL_LAYERS_CPU = 8  # scan_unroll 0 on CPU: stacks up to this deep run without a loop
+
+
+def scan_unroll(cfg: TransformerConfig) -> int:
+    """Layers per iteration of the layer scan: ``scan_unroll``, or for 0 the backend's choice.
+
+    On XLA:CPU each scan iteration costs more than its loop bookkeeping: the residuals the
+    backward pass reads are stacked over ``layers`` (zero-filled, written and sliced per
+    iteration, copied), and the weights are sliced out of their stacks; for the quickstart
+    (2 layers) that was a third of the step. Unrolled, the layers are straight-line code whose
+    weight-gradient all-reduces XLA can also combine. Compile time grows with depth, so only
+    stacks up to ``UNROLL_LAYERS_CPU`` layers are unrolled. On accelerators 1: the loop's
+    bookkeeping is cheap next to the layer there, and compile time matters more.
+    """
+    if cfg.scan_unroll:
+        return min(cfg.scan_unroll, cfg.n_layers)
+    # remat's saving needs the loop: in straight-line layers XLA:CPU keeps (most of) the
+    # activations remat would drop (quickstart at 8 layers, remat full: 50 MiB temp unrolled,
+    # 18 MiB in the loop; none: 78 MiB unrolled).
+    if jax.default_backend() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and cfg.remat == "none":
+        return cfg.n_layers
+    return 1
 
 
 class Blocks(nnx.Module):
@@ -142,16 +237,21 @@ class Blocks(nnx.Module):
         cfg = self.cfg
         stacked = {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
         keys = None if key is None else jax.random.split(key, cfg.n_layers)  # [layers] keys
+        # One layer, under model.remat's jax.checkpoint policy: the scan body and the unrolled
+        # loop run the same function.
+        unroll = scan_unroll(cfg)
+        looped = cfg.scan_layers and unroll < cfg.n_layers  # a full unroll leaves no loop
+        layer = remat_lib.checkpointed(functools.partial(block, cfg), cfg.remat, in_scan=looped)
         if cfg.scan_layers:
             def body(carry, xs):
                 p, k = xs
-                return block(cfg, p, carry, k), None
+                return layer(p, carry, k), None
 
-            x, _ = jax.lax.scan(body, x, (stacked, keys))
+            x, _ = jax.lax.scan(body, x, (stacked, keys), unroll=unroll)
             return x
         for i in range(cfg.n_layers):
             p = {name: w[i] for name, w in stacked.items()}
-            x = block(cfg, p, x, None if keys is None else keys[i])
+            x = layer(p, x, None if keys is None else keys[i])
         return x
 
 
@@ -161,6 +261,8 @@ class Transformer(nnx.Module):
             raise ValueError(f"sequence length {length} exceeds max_length {cfg.max_length}")
         if cfg.positions == "rotary" and cfg.d_head % 2:
             raise ValueError(f"rotary positions need an even d_head, got {cfg.d_head}")
+        if cfg.attention in ("blockwise", "cudnn") and attention_lib.check_block(length, cfg.attention_block):
+            raise ValueError(f"attention_block {cfg.attention_block} does not divide the sequence length {length}")
         if not 0.0 <= cfg.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {cfg.dropout}")
         d, v, pd = cfg.d_model, cfg.vocab_size, DTYPES[cfg.param_dtype]
@@ -179,29 +281,47 @@ class Transformer(nnx.Module):
         train = rngs is not None and cfg.dropout > 0.0
         k_embed, k_blocks = jax.random.split(rngs.dropout()) if train else (None, None)
         inputs = constrain(inputs, ("batch", "length"))
-        x = jnp.take(self.embed[...], inputs, axis=0).astype(dt)  # [batch, length, embed]
+        x = jnp.take(use(self.embed[...], ("vocab", "embed"), dt), inputs, axis=0)  # [batch, length, embed]
         if cfg.positions == "learned":
-            x = x + self.pos[...][: inputs.shape[1]].astype(dt)[None]
+            x = x + use(self.pos[...], ("length", "embed"), dt)[: inputs.shape[1]][None]
         x = constrain(dropout(x, cfg.dropout, k_embed), ("batch", "length", "embed"))
-        x = rms_norm(self.blocks(x, k_blocks), self.final_norm[...])
+        x = rms_norm(self.blocks(x, k_blocks), use(self.final_norm[...], ("embed",)))
         if cfg.tie_embeddings:
-            logits = jnp.einsum("ble,ve->blv", x, self.embed[...].astype(dt)) * cfg.d_model**-0.5
+            logits = jnp.einsum("ble,ve->blv", x, use(self.embed[...], ("vocab", "embed"), dt)) * cfg.d_model**-0.5
         else:
-            logits = x @ self.unembed[...].astype(dt)
+            logits = x @ use(self.unembed[...], ("embed", "vocab"), dt)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))  # [batch, length, vocab]
 
     def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
-        """Mean token cross-entropy (nats, float32) of ``targets`` given ``inputs``; plus accuracy."""
-        logits = self(batch["inputs"], rngs)
-        targets = batch["targets"]
+        """Mean cross-entropy (nats, float32) of each window's next tokens; plus accuracy.
+
+        ``batch["tokens"]`` ``[batch, length + 1]`` (token ids, in the narrowest dtype that holds
+        the vocabulary: uint8 for bytes) is all the host sends; inputs (its first ``length``
+        tokens) and targets (its last ``length``) are cut here, on the devices, and widened to
+        int32. The window dim is unnamed, so never split: ``length + 1`` does not divide by the
+        mesh axis a layout may split ``length`` over, so each device holds its rows' whole
+        windows (a byte per token) and cuts its own part of ``length`` from them locally.
+        """
+        tokens = constrain(batch["tokens"], ("batch", None))  # [batch, length + 1]
+        inputs = constrain(tokens[:, :-1].astype(jnp.int32), ("batch", "length"))  # [batch, length]
+        targets = constrain(tokens[:, 1:].astype(jnp.int32), ("batch", "length"))  # [batch, length]
+        logits = self(inputs, rngs)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
         accuracy = (logits.argmax(-1) == targets).mean()
         return loss, {"accuracy": accuracy}
 
 
+def window_length(element_spec: dict) -> int:
+    """The sequence length the data's ``tokens [length + 1]`` windows give: inputs and targets
+    are ``length`` tokens each."""
+    (window,), _ = element_spec["tokens"]
+    if window < 2:
+        raise ValueError(f"token windows of {window} hold no (input, target) pair; they need length + 1 >= 2")
+    return window - 1
+
+
 def build(cfg: TransformerConfig, element_spec: dict, rngs: nnx.Rngs) -> Transformer:
-    (length,), _ = element_spec["inputs"]
-    return Transformer(cfg, length, rngs=rngs)
+    return Transformer(cfg, window_length(element_spec), rngs=rngs)
 
 
 def num_params(cfg: TransformerConfig) -> int:

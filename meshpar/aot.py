@@ -1,0 +1,95 @@
+"""The real train step of a config, compiled ahead of time on abstract inputs.
+
+Nothing is allocated: the state is its plan (shapes and shardings, from ``eval_shape``), the
+batch and the stop flags are ``ShapeDtypeStruct``s with the shardings the run would give them.
+What XLA compiles here is exactly what :func:`meshpar.experiment.build` would run, so its
+``memory_analysis()`` is the step's per-device memory (argument + output + temp − alias) before
+any array exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from meshpar import compile_cache, experiment, resume, stop, trainer
+from meshpar import config as config_lib
+from meshpar import inputs as inputs_lib
+from meshpar import layout as layout_lib
+from meshpar.config import Config, ConfigError
+
+# compiled.memory_analysis() fields reported per device, in bytes.
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractStep:
+    """The jitted train step and the abstract arguments it is lowered with."""
+
+    mesh: jax.sharding.Mesh
+    layout: layout_lib.Layout
+    plan: trainer.StatePlan
+    step: object  # jitted (state, batch, stop) -> (state, metrics)
+    args: tuple  # (state, batch, stop) as ShapeDtypeStructs with shardings
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.step.lower(*self.args)
+
+
+def abstract_step(cfg: Config) -> AbstractStep:
+    """Mesh, layout, the train source's element spec, the state plan and the jitted step, as in
+    :func:`meshpar.experiment.build`, without data batches, state or checkpoints."""
+    compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compile is cached
+    mesh = experiment.make_mesh(cfg)
+    config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
+    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
+    source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed)
+    if source is None:
+        raise ConfigError("data", "has no train examples")
+    spec = source.element_spec
+    batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
+    tx, plan = experiment.plan_model(cfg, mesh, layout, spec, resume.horizon(cfg))
+    step = trainer.make_train_step(
+        plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches
+    )
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
+    flags = jax.ShapeDtypeStruct((mesh.size,), jax.numpy.int32, sharding=stop.flag_sharding(mesh))
+    return AbstractStep(mesh, layout, plan, step, (state, experiment.abstract_batch(cfg, spec, batch_shardings), flags))
+
+
+def compile_train_step(cfg: Config) -> jax.stages.Compiled:
+    """The config's train step, lowered and compiled for its mesh (nothing allocated)."""
+    return abstract_step(cfg).lower().compile()
+
+
+def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program: ``<field>_bytes`` for each of MEMORY_FIELDS, and
+    ``total_bytes`` = argument + output + temp − alias (what the program holds at its peak)."""
+    stats = compiled.memory_analysis()
+    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    out = {f"{f}_bytes": int(getattr(stats, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    return out
+
+
+def step_memory(cfg: Config) -> dict[str, int]:
+    """Per-device memory of the config's compiled train step (see :func:`memory`)."""
+    return memory(compile_train_step(cfg))
+
+
+def state_bytes(plan: trainer.StatePlan) -> dict[str, dict]:
+    """Every train-state array by path (``params/blocks/w_in``, ``opt_state/1/0/mu/...``):
+    shape, dtype, total bytes and bytes per device, the latter from its sharding's shard shape
+    (exactly what each device will hold)."""
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract)
+    out = {}
+    for (path, a), s in zip(leaves, jax.tree.leaves(plan.shardings)):
+        name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+        item = a.dtype.itemsize
+        out[name] = {
+            "shape": list(a.shape), "dtype": str(a.dtype), "spec": str(s.spec),
+            "total_bytes": math.prod(a.shape) * item, "per_device_bytes": math.prod(s.shard_shape(a.shape)) * item,
+        }  # fmt: skip
+    return out

@@ -1,0 +1,203 @@
+"""Causal self-attention cores: ``q, k, v [batch, length, heads, kv]`` → ``[batch, length, heads, kv]``.
+
+``model.attention`` picks one, at trace time (never at run time, so a supported config never
+fails in a running step):
+
+* ``xla`` — scores ``[batch, heads, length, length]`` in float32, masked, softmax, one
+  contraction with the values. XLA fuses what it can, but the scores and probabilities are
+  materialised (and kept for the backward pass): memory grows with length².
+* ``blockwise`` — flash-style (online softmax, float32 running max and sum): a ``lax.scan``
+  over key/value blocks of ``model.attention_block`` positions, every query against one
+  block at a time, so the largest temporaries are ``[batch, heads, length, block]``. The
+  backward pass is written out (a ``custom_vjp`` that keeps only q, k, v, the output and the
+  per-row log-sum-exp, and recomputes each block's probabilities), so it never holds
+  ``[length, length]`` either. Same arithmetic as ``xla`` up to float rounding; it does all
+  ``length²`` score products (masked blocks are not skipped), so it saves memory, not FLOPs.
+* ``cudnn`` — ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash
+  attention, where it applies (see :func:`cudnn_problem`); elsewhere the ``blockwise`` path,
+  so asking for ``cudnn`` always gets attention that does not materialise the scores.
+* ``auto`` (default) — cuDNN where it applies, else ``xla``.
+
+cuDNN applies when all hold (checked once per shape and dtype): the default backend is a CUDA
+GPU; q/k/v are bfloat16 or float16 (cuDNN's flash attention has no float32 kernel); and jax's
+own cuDNN checks pass for this shape, forward and backward — cuDNN found, head dim (``kv``) a
+multiple of 8 and at most 128 (256 on Hopper or later), the compute capability supported.
+Those checks are jax's, run by tracing the call abstractly (``jax.eval_shape`` of its gradient),
+so this module never disagrees with the version of jax it runs on.
+
+Sharding: every implementation keeps ``batch`` and ``heads`` as batch dims of its contractions,
+so a layout may split either; the intermediates are constrained in logical names.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from meshpar.layout import constrain
+
+Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
+NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: exp(NEG - finite) == 0, never NaN
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto", block: int = 512) -> jax.Array:
+    """Causal attention of ``q, k, v [batch, length, heads, kv]`` by `implementation`; the
+    result has q's dtype and shape."""
+    chosen = resolve(implementation, q.shape, q.dtype, block)
+    if chosen == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
+    if chosen == "blockwise":
+        return blockwise(q, k, v, min(block, q.shape[1]))
+    return xla(q, k, v)
+
+
+def resolve(implementation: str, shape: tuple[int, ...], dtype, block: int) -> str:
+    """The implementation that runs for q of `shape` and `dtype`: ``xla``, ``blockwise`` or ``cudnn``."""
+    if implementation not in ("auto", "xla", "blockwise", "cudnn"):
+        raise ValueError(f"attention {implementation!r} is not one of auto, xla, blockwise, cudnn")
+    if implementation in ("auto", "cudnn"):
+        if cudnn_problem(tuple(shape), jnp.dtype(dtype)) is None:
+            return "cudnn"
+        return "xla" if implementation == "auto" else "blockwise"
+    return implementation
+
+
+def check_block(length: int, block: int) -> str | None:
+    """Why `block` cannot split `length` (None when it can): a block at least the length is one block."""
+    if block < 1:
+        return f"attention block must be >= 1, got {block}"
+    if block < length and length % block:
+        return f"attention block {block} does not divide the length {length}"
+    return None
+
+
+@functools.cache
+def cudnn_problem(shape: tuple[int, ...], dtype: jnp.dtype) -> str | None:
+    """Why cuDNN's fused attention cannot run q/k/v of `shape` and `dtype` here, or None if it can."""
+    if jax.default_backend() != "gpu":
+        return f"backend is {jax.default_backend()}, not a CUDA GPU"
+    platform = getattr(jax.devices()[0].client, "platform_version", "")
+    if "cuda" not in platform.lower():
+        return f"GPU platform is {platform!r}, not CUDA"
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {dtype} (cuDNN flash attention takes bfloat16 or float16)"
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    try:  # jax's own checks (cuDNN present, version, head dim, compute capability), fwd and bwd
+        jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), spec, spec, spec)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError) as e:
+        return " ".join(str(e).split()) or type(e).__name__
+    return None
+
+
+def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Scores, mask, softmax, values: the whole ``[batch, heads, length, length]`` at once."""
+    dt = q.dtype
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5
+    scores = constrain(scores, ("batch", "heads", "length", None))  # [batch, heads, length, length']
+    length = q.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]  # [length, length']
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [batch, length, heads, kv]
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise (flash-style) attention. Shapes: q [b, L, h, d]; key blocks of B positions, n = L / B.
+
+SCORES = ("batch", "heads", "length", None)  # [batch, heads, length, block]
+ROWS = ("batch", "heads", "length")  # per-query statistics [batch, heads, length]
+ACC = ("batch", "heads", "length", "kv")  # float32 accumulators [batch, heads, length, kv]
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """``[b, L, h, d]`` → ``[n, b, B, h, d]``: key/value blocks, leading for ``lax.scan``."""
+    b, length, h, d = x.shape
+    return jnp.moveaxis(x.reshape(b, length // block, block, h, d), 1, 0)
+
+
+def _unblocks(x: jax.Array) -> jax.Array:
+    """``[n, b, B, h, d]`` → ``[b, L, h, d]``."""
+    n, b, block, h, d = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, n * block, h, d)
+
+
+def _block_scores(q: jax.Array, kj: jax.Array, j: jax.Array, block: int) -> jax.Array:
+    """Masked, scaled float32 scores of every query against key block `j`: ``[b, h, L, B]``."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kj, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    s = constrain(s, SCORES)
+    causal = jnp.arange(q.shape[1])[:, None] >= (j * block + jnp.arange(block))[None, :]  # [L, B]
+    return jnp.where(causal, s, NEG)
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Output ``[b, L, h, d]`` (q's dtype) and per-row log-sum-exp ``[b, h, L]`` (float32)."""
+    b, length, h, d = q.shape
+    dt = q.dtype
+
+    def step(carry, xs):
+        m, l, acc = carry  # running max, running sum [b, h, L]; unnormalised output [b, h, L, d]
+        kj, vj, j = xs
+        s = _block_scores(q, kj, j, block)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])  # [b, h, L, B]
+        correction = jnp.exp(m - m_new)
+        l = constrain(l * correction + p.sum(axis=-1), ROWS)
+        pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(dt), vj, preferred_element_type=jnp.float32)
+        acc = constrain(acc * correction[..., None] + pv, ACC)
+        return (constrain(m_new, ROWS), l, acc), None
+
+    init = (
+        constrain(jnp.full((b, h, length), NEG, jnp.float32), ROWS),
+        constrain(jnp.zeros((b, h, length), jnp.float32), ROWS),
+        constrain(jnp.zeros((b, h, length, d), jnp.float32), ACC),
+    )
+    n = length // block
+    (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
+    out = jnp.swapaxes(acc / l[..., None], 1, 2).astype(dt)  # [b, L, h, d]
+    return out, m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """Causal attention with key/value blocks of `block` positions (`block` divides the length)."""
+    return _forward(q, k, v, block)[0]
+
+
+def _blockwise_fwd(q, k, v, block):
+    out, lse = _forward(q, k, v, block)
+    return out, (q, k, v, out, lse)
+
+
+def _blockwise_bwd(block, residuals, g):
+    q, k, v, out, lse = residuals
+    dt = q.dtype
+    scale = q.shape[-1] ** -0.5
+    g = g.astype(dt)
+    # D_i = sum_d dO_i·O_i = sum_j P_ij dP_ij: the softmax backward's row term, [b, h, L]
+    delta = constrain(jnp.einsum("bqhd,bqhd->bhq", g.astype(jnp.float32), out.astype(jnp.float32)), ROWS)
+
+    def step(dq, xs):
+        kj, vj, j = xs
+        p = jnp.exp(_block_scores(q, kj, j, block) - lse[..., None])  # probabilities [b, h, L, B]
+        dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(dt), g, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", g, vj, preferred_element_type=jnp.float32)
+        ds = constrain(p * (dp - delta[..., None]), SCORES).astype(dt)  # score gradients
+        dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds, kj, preferred_element_type=jnp.float32) * scale
+        dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q, preferred_element_type=jnp.float32) * scale
+        return constrain(dq, ("batch", "length", "heads", "kv")), (dk.astype(dt), dv.astype(dt))
+
+    n = q.shape[1] // block
+    dq0 = constrain(jnp.zeros(q.shape, jnp.float32), ("batch", "length", "heads", "kv"))
+    dq, (dk, dv) = jax.lax.scan(step, dq0, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
+    return dq.astype(dt), _unblocks(dk), _unblocks(dv)
+
+
+blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
