@@ -19,9 +19,10 @@ a 784-float × 256-row batch plus its labels; median placement of 300, on a load
 host): a Python loop of per-device slice-and-copy 2.93 ms; ``device_put(relay_array,
 target_sharding)`` 1.50 ms (jax 0.10 cuts one slice per device, duplicates included, inside
 the call, so the relay transiently holds 3x the batch and the ledger cannot see it); one
-jitted split of the distinct slices + a public ``device_put`` of the list 1.58 ms; the same
-split + one batched copy per field (jax's own ``batched_device_put``) 1.13 ms, used; direct
-0.73 ms. Every variant copies from the relay (the transfer guard refuses all of them).
+jitted split of the distinct slices + a ``device_put`` of the list to their devices 1.58 ms,
+used; the same split + jax's internal ``batched_device_put`` 1.13 ms (not public API: not
+used); direct 0.73 ms. Every variant copies from the relay (the transfer guard refuses all of
+them).
 
 Input memory (the ``live_buffers`` source): every device array a feeder creates — placed
 batch shards, the routed relay's staging copy of the whole batch, the routed path's temporary
@@ -42,15 +43,6 @@ from collections.abc import Callable, Iterable, Mapping
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-
-try:
-    # One C++ call that copies every piece to its device and wraps them as one global array: what
-    # jax.device_put itself uses. Not public API, hence the public calls in `assemble` where it is
-    # missing (same arrays and buffers, ~0.4 ms slower per batch: one Python dispatch per piece).
-    from jax._src.core import ShapedArray
-    from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
-except ImportError:  # pragma: no cover - depends on the jax version
-    ShapedArray, _batched_device_put = None, None
 
 
 def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
@@ -287,11 +279,9 @@ def route(shardings: Mapping[str, NamedSharding], host: Mapping[str, np.ndarray]
     return Route(split, devices, which)
 
 
-def assemble(shape, dtype, sharding: NamedSharding, pieces: list[jax.Array], devices: list[jax.Device]) -> jax.Array:
+def assemble(shape, sharding: NamedSharding, pieces: list[jax.Array], devices: list[jax.Device]) -> jax.Array:
     """The global array of `shape` whose shard on ``devices[i]`` is ``pieces[i]``, copied there
     (device to device) unless it already is there (then it is the same buffer)."""
-    if _batched_device_put is not None:
-        return _batched_device_put(ShapedArray(shape, dtype), sharding, pieces, devices)
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
 
 
@@ -329,7 +319,7 @@ class RoutedFeeder(Feeder):
         out = {}
         for f, rows in host.items():
             shards = [pieces[f][i] for i in plan.which[f]]  # relay → every device, one call
-            array = assemble(self._global_shape(rows), rows.dtype, self.shardings[f], shards, plan.devices[f])
+            array = assemble(self._global_shape(rows), self.shardings[f], shards, plan.devices[f])
             # The relay's shard is its slice's buffer, counted above; every other shard is new.
             shared = {d.id: tokens[f][i] for d, i in zip(plan.devices[f], plan.which[f]) if d.id == relay}
             ledger.add(array, shared=shared)

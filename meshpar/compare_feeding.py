@@ -5,7 +5,8 @@ prefetch 0 and 2), each in its own process so that per-process device memory fig
 separate, then writes to the config's workdir:
 
 - ``feed_comparison.md`` (also printed) and ``feed_comparison.json``: batch placement time
-  (median, p90), bytes the relay device received per batch, peak input bytes resident on the
+  (median, p90; timed as the run placed its batches, overlapping the running step, so on CPU
+  it includes that step's load on the same cores), bytes the relay device received per batch, peak input bytes resident on the
   relay and on any other device (the feeder's live-buffer accounting, updated at every
   placement and release: prefetched batches, the batch in use, the relay's staging copy and
   its temporary slices), step time, input stall fraction, final loss; ratios against the
@@ -165,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"Feeding comparison: mesh {runs[0]['mesh']}, layout `{runs[0]['layout']}`, "
         f"{runs[0]['steps']} steps, {runs[0]['batch_input_bytes']:,} input bytes per batch, "
-        f"memory from {rows[0]['memory_source']}; losses bit-identical across runs: {'yes' if identical else 'NO'}"
+        f"memory from {rows[0]['memory_source']}; losses bit-identical across runs: {'yes' if identical else 'NO'}. "
+        "Placement is timed as each run placed its batches, while a step runs (the loop fetches one step late); "
+        "on CPU that includes the step's load on the same cores: scripts/bench_feed.py times placement alone"
     )
     table = markdown(rows, header)
     print(table)

@@ -82,7 +82,13 @@ def _resume(cfg_path, workdir, env, overrides=()):
 # kill -9
 
 
-@pytest.mark.parametrize("feed", [["feed.mode=direct"], ["feed.mode=routed", "feed.prefetch=0"]], ids=["direct", "routed-prefetch0"])
+# The routed variant is `-m slow` (and `python scripts/kill_resume.py feed.mode=routed
+# feed.prefetch=0`): feeding does not touch what a kill can damage, and the suite keeps its time.
+@pytest.mark.parametrize(
+    "feed",
+    [["feed.mode=direct"], pytest.param(["feed.mode=routed", "feed.prefetch=0"], marks=pytest.mark.slow)],
+    ids=["direct", "routed-prefetch0"],
+)
 def test_kill9_cycles_then_resume_is_bit_identical(reference, cfg_path, env, tmp_path, feed):
     # Routed feeding trains bit-identically to direct (tests/test_trainer.py), so one
     # uninterrupted (direct) run is the reference for both.

@@ -8,7 +8,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from input_pipeline import feeding
 from input_pipeline.batching import HostLoader
 from input_pipeline.errors import DataError
 from input_pipeline.feeding import DirectFeeder, LiveBytes, RoutedFeeder, process_rows
@@ -81,19 +80,18 @@ def test_routed_moves_device_to_device_and_direct_does_not(data):
         np.testing.assert_array_equal(np.asarray(placed[key]), rows)
 
 
-def test_routed_through_public_calls_only_gives_the_same_arrays(monkeypatch):
-    # Where jax's batched copy is missing, `assemble` falls back to device_put + make_array:
-    # same values, shards and input bytes per device, still device to device.
+def test_routed_gives_direct_s_shards_and_its_relay_keeps_the_whole_batch():
+    # Same values, shards and devices as direct; the relay holds the whole batch (staging) plus
+    # its own slice, every other device its slice only; and every slice left the relay.
     mesh = build_mesh("data:4,model:2")
     shardings = {"inputs": NamedSharding(mesh, P("data", None)), "targets": NamedSharding(mesh, P("data"))}
     batch = _batch()
-    fast, _ = RoutedFeeder(shardings, 64).place(batch)
-    monkeypatch.setattr(feeding, "_batched_device_put", None)
+    direct, _ = DirectFeeder(shardings, 64).place(batch)
     routed = RoutedFeeder(shardings, 64)
-    public, _ = routed.place(batch)
+    placed, _ = routed.place(batch)
     for key in batch:
-        assert public[key].sharding == fast[key].sharding
-        for a, b in zip(public[key].addressable_shards, fast[key].addressable_shards):
+        assert placed[key].sharding == direct[key].sharding
+        for a, b in zip(placed[key].addressable_shards, direct[key].addressable_shards):
             assert a.device == b.device and a.index == b.index
             np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
     total = sum(v.nbytes for v in batch.values())
