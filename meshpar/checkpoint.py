@@ -82,6 +82,23 @@ def _quiet_abandoned_reads() -> None:
 
     hook._meshpar_quiet = True
     sys.unraisablehook = hook
+    # The failed writes' tasks, collected unretrieved, are reported through asyncio's logger
+    # instead ("Task exception was never retrieved", one traceback each): the same drop.
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_tasks)
+
+
+def _drop_abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's "<Task|_GatheringFuture> exception was never retrieved" about
+    an orbax coroutine: its future's repr or its traceback names an orbax file."""
+    message = record.getMessage()
+    if "exception was never retrieved" not in message.partition("\n")[0]:
+        return True
+    files = [message]
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return not any("/orbax/" in f.replace("\\", "/") for f in files)
 
 
 def _path_name(path: tuple) -> str:

@@ -164,6 +164,12 @@ class HardwareConfig:
     # Peak TFLOP/s per device for MFU; 0 = built-in bf16 figure for H100/H200/A100, or on CPU
     # a matmul measured at start.
     peak_tflops: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
+    # Memory per device in GiB that the memory plan checks a layout against. 0 = the backend's
+    # own limit where it reports one (on GPU XLA's allocator limit: by default 75% of the
+    # device, XLA_PYTHON_CLIENT_MEM_FRACTION), else on CPU the host RAM divided by the number of
+    # simulated devices. A value set here never exceeds the backend's limit; set it low to
+    # plan for a smaller device than this one.
+    memory_gib: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
 
 
 @dataclasses.dataclass(frozen=True)

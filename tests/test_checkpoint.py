@@ -458,3 +458,25 @@ def test_a_save_not_yet_committed_is_not_listed(exp8, copy, monkeypatch):
         release.set()
         ckpt.wait()
         assert ckpt.steps() == [2, 4, 5]
+
+
+def test_asyncio_reports_of_abandoned_orbax_writes_are_dropped_and_nothing_else():
+    import logging
+    import sys
+
+    from meshpar.checkpoint import _drop_abandoned_orbax_tasks
+
+    def record(message, filename):
+        try:
+            exec(compile("raise ValueError('OUT_OF_RANGE: Error writing')", filename, "exec"))
+        except ValueError:
+            exc_info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
+
+    orbax_file = "/site-packages/orbax/checkpoint/_src/serialization/serialization.py"
+    gathering = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished exception=ValueError()>"
+    assert not _drop_abandoned_orbax_tasks(record(gathering, orbax_file))
+    task = f"Task exception was never retrieved\nfuture: <Task finished coro=<write() done, defined at {orbax_file}:1>>"
+    assert not _drop_abandoned_orbax_tasks(record(task, "/elsewhere.py"))
+    assert _drop_abandoned_orbax_tasks(record(gathering, "/site-packages/mylib/io.py"))  # not orbax's: kept
+    assert _drop_abandoned_orbax_tasks(record("Executing <Task ...> took 0.2 seconds", orbax_file))  # another report: kept

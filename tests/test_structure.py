@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"meshpar.train", "meshpar.compare_feeding"}
+COMMANDS = {"meshpar.train", "meshpar.compare_feeding", "meshpar.plan.__main__"}
 
 
 def _imports(path: Path) -> set[str]:
