@@ -16,8 +16,8 @@ import jax
 import optax
 
 from input_pipeline.errors import DataError
-from meshpar import config as config_lib
 from meshpar import compile_cache, distributed, rundir, throughput, trainer
+from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
