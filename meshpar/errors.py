@@ -6,6 +6,8 @@ commands print ``<prefix>: <message>`` on stderr and exit with the status below.
 
 from __future__ import annotations
 
+import sys
+
 from input_pipeline.errors import DataError
 from meshpar.config import ConfigError
 
@@ -45,3 +47,13 @@ def describe(error: BaseException) -> tuple[str, int] | None:
             text = " ".join(str(error).split())  # one line, whatever the message held
             return f"{prefix}: {text}", status
     return None
+
+
+def report(error: BaseException) -> int:
+    """Print a reportable failure's one line to stderr and return its exit status; anything
+    else is re-raised (a bug keeps its traceback). For commands, inside ``except Exception``."""
+    failure = describe(error)
+    if failure is None:
+        raise error
+    print(failure[0], file=sys.stderr)
+    return failure[1]

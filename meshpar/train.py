@@ -37,11 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped by {e}{saved}", file=sys.stderr)
         return 128 + e.signum
     except Exception as e:
-        failure = errors.describe(e)
-        if failure is None:
-            raise
-        print(failure[0], file=sys.stderr)
-        return failure[1]
+        return errors.report(e)
     if "already_at_step" in summary:
         print(f"nothing to train: the checkpoint is at step {summary['already_at_step']} of {summary['steps']}")
         return 0

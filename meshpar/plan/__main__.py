@@ -34,11 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:
                 raise errors.OutputError(f"cannot write {args.json}: {e.strerror}") from None
     except Exception as e:
-        failure = errors.describe(e)
-        if failure is None:
-            raise
-        print(failure[0], file=sys.stderr)
-        return failure[1]
+        return errors.report(e)
     from rich.console import Console
 
     console = Console(width=max(Console().width, 136))
