@@ -38,25 +38,46 @@ class AbstractStep:
         return self.step.lower(*self.args)
 
 
-def abstract_step(cfg: Config) -> AbstractStep:
+def abstract_step(cfg: Config, mesh: jax.sharding.Mesh | None = None, element_spec: dict | None = None) -> AbstractStep:
     """Mesh, layout, the train source's element spec, the state plan and the jitted step, as in
-    :func:`meshpar.experiment.build`, without data batches, state or checkpoints."""
-    compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compile is cached
-    mesh = experiment.make_mesh(cfg)
+    :func:`meshpar.experiment.build`, without data batches, state or checkpoints. `mesh`: one
+    built already over this process's devices (the config's own is built when None);
+    `element_spec`: the train data's, when known (the source is not opened then)."""
+    if mesh is None:
+        compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compile is cached
+        mesh = experiment.make_mesh(cfg)
     config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
     layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
-    source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed)
-    if source is None:
-        raise ConfigError("data", "has no train examples")
-    spec = source.element_spec
+    spec = element_spec
+    if spec is None:
+        source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed)
+        if source is None:
+            raise ConfigError("data", "has no train examples")
+        spec = source.element_spec
     batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
     tx, plan = experiment.plan_model(cfg, mesh, layout, spec, resume.horizon(cfg))
     step = trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches
     )
+    return from_parts(cfg, mesh, layout, plan, step, batch_shardings, spec)
+
+
+def from_parts(
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    layout: layout_lib.Layout,
+    plan: trainer.StatePlan,
+    step,
+    batch_shardings: dict,
+    element_spec: dict,
+) -> AbstractStep:
+    """The abstract step of parts built already (a run's mesh, layout, state plan, its jitted
+    train `step` and the batch's shardings), so that lowering it compiles the very function the
+    run calls; nothing is built twice."""
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
     flags = jax.ShapeDtypeStruct((mesh.size,), jax.numpy.int32, sharding=stop.flag_sharding(mesh))
-    return AbstractStep(mesh, layout, plan, step, (state, experiment.abstract_batch(cfg, spec, batch_shardings), flags))
+    batch = experiment.abstract_batch(cfg, element_spec, batch_shardings)
+    return AbstractStep(mesh, layout, plan, step, (state, batch, flags))
 
 
 def compile_train_step(cfg: Config) -> jax.stages.Compiled:

@@ -164,6 +164,9 @@ class Checkpointer:
         self._primary = jax.process_index() == 0
         self._saving: int | None = None  # the step whose save is in flight
         self._saved: set[int] = set()  # steps this object saved
+        # The digest program compiled ahead of time by the memory pre-flight, for this run's state
+        # (meshpar.plan.programs); None = compile it at the first save.
+        self.digest_program = None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None,
             enable_async_checkpointing=True,
@@ -225,7 +228,7 @@ class Checkpointer:
         nested, names, _ = _nest(state)
         leaves = jax.tree.leaves(state)
         digests = {
-            "leaves": integrity.array_digests(leaves, names),
+            "leaves": integrity.array_digests(leaves, names, self.digest_program),
             "position": integrity.json_digest(data_position),
             "run": integrity.json_digest(record),
         }

@@ -173,6 +173,18 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    # Check, before anything is allocated, that the run fits each device's memory (the
+    # capacity from hardware.memory_gib or the backend): the analytic memory model first (a
+    # layout that cannot fit is refused without compiling), then XLA's figures for the train
+    # step compiled ahead of time, whose program the run then uses. A refusal is one line with
+    # what is needed, what is usable, the largest category and a change that fits, chosen from
+    # a fixed list of candidates (meshpar.plan.preflight). false = no check; the train step
+    # compiles at its first call.
+    check: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileCacheConfig:
     # JAX's persistent compilation cache: compiled programs are kept in this folder and reused
     # by the next start of the same program ("~" is the home folder; "" = no cache). The
@@ -202,6 +214,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
     hardware: HardwareConfig = HardwareConfig()
+    plan: PlanConfig = PlanConfig()
     compile_cache: CompileCacheConfig = CompileCacheConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"

@@ -2,8 +2,9 @@
 
 Everything that can be checked without running is checked here, before the first step — every
 parameter and activation against the layout (abstractly), the data against the model, the
-run's folders, and a checkpoint to resume against the config — and reported as one-line
-errors (:mod:`meshpar.errors`).
+memory each device needs against what it has (:mod:`meshpar.plan.preflight`), the run's
+folders, and a checkpoint to resume against the config — and reported as one-line errors
+(:mod:`meshpar.errors`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ class Experiment:
     checkpointer: Checkpointer | None = None
     record: dict = dataclasses.field(default_factory=dict)  # what each checkpoint records about the run
     resumed_from: int | None = None  # the checkpoint step the state came from
+
+
+def _compiled_step(compiled: jax.stages.Compiled, jitted) -> object:
+    """An ahead-of-time `compiled` program as the run's step: called with the same arguments as
+    `jitted` (same shardings and donation), never compiling again; it keeps the jitted
+    function's name (``jit_<name>`` is its program's name in profiles)."""
+
+    def step(*args):
+        return compiled(*args)
+
+    step.__name__ = step.__qualname__ = jitted.__name__
+    step.compiled = compiled
+    return step
 
 
 @contextlib.contextmanager
@@ -116,8 +130,15 @@ def plan_model(
 
 
 def build(cfg: Config) -> Experiment:
-    """Devices → mesh → layout → inputs → sharded state (fresh, or from a checkpoint) → jitted steps."""
-    rundir.check_paths(cfg)  # folders that cannot be created fail here, before any device work
+    """Devices → mesh → layout → inputs → the state's plan → the memory pre-flight → sharded
+    state (fresh, or from a checkpoint) → jitted steps.
+
+    With ``plan.check`` (the default) nothing is allocated until the plan is known to fit
+    (:mod:`meshpar.plan.preflight`): the analytic check first, before the run's folders are
+    made, then the train step compiled ahead of time, which the run then calls instead of
+    compiling it again. Resuming a run whose schedule horizon differs from this config's
+    (``--resume train.steps=<more>``) builds the step for the restored horizon: that one
+    compiles at its first call."""
     compile_cache.configure(cfg.compile_cache)  # before the first compilation
     mesh = make_mesh(cfg)
     config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
@@ -129,16 +150,38 @@ def build(cfg: Config) -> Experiment:
     # The schedule's horizon does not change the optimizer state's structure: the state is
     # planned with this run's horizon, and the step is built with the restored run's.
     tx, plan = plan_model(cfg, mesh, layout, inputs.element_spec, record["decay_steps"])
+    shardings, microbatches = plan.shardings, cfg.train.microbatches
+    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches)
+    compiled = {}  # program name -> compiled by the pre-flight (meshpar.plan.programs)
+    if cfg.plan.check:
+        from meshpar import aot  # here: aot imports this module
+        from meshpar.plan import preflight
+
+        step = aot.from_parts(cfg, mesh, layout, plan, train_step, inputs.shardings, inputs.element_spec)
+        breakdown, capacity = preflight.check_analytic(cfg, step, inputs.element_spec)
+    rundir.check_paths(cfg)  # folders that cannot be created fail here, before any state exists
+    if cfg.plan.check:
+        compiled = preflight.check_compiled(cfg, step, inputs.element_spec, breakdown, capacity)
     checkpointer = rundir.open_checkpoints(cfg)
     resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
     if resumed:
+        horizon = record["decay_steps"]
         state, record = resumed.state, resumed.record
-        tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
+        if record["decay_steps"] != horizon:
+            tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
+            train_step = trainer.make_train_step(
+                plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches
+            )
+            compiled.pop("train step")  # compiled for the other horizon
     else:
         state = plan.materialize(layout, mesh)
-    shardings, microbatches = plan.shardings, cfg.train.microbatches
-    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches)
     eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)
+    if "train step" in compiled:
+        train_step = _compiled_step(compiled["train step"], train_step)
+    if "eval step" in compiled:
+        eval_step = _compiled_step(compiled["eval step"], eval_step)
+    if checkpointer is not None:
+        checkpointer.digest_program = compiled.get("checkpoint digest")
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
     flops = family.flops_per_example(cfg.model, inputs.element_spec)
     tokens = family.tokens_per_example(cfg.model, inputs.element_spec)

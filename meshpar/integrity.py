@@ -153,9 +153,16 @@ def _digest(leaves: list, spreads: tuple) -> list:
     return [_digest_one(x if s is None else jax.lax.with_sharding_constraint(x, s)) for x, s in zip(leaves, spreads)]
 
 
-def array_digests(leaves: list, names: list[str]) -> dict[str, list[int]]:
-    """Leaf name → digest of that array (two uint32), the same under any sharding."""
-    out = jax.device_get(_digest(leaves, tuple(_spread(x) for x in leaves)))
+def digest_program(leaves: list) -> jax.stages.Lowered:
+    """The digest computation for `leaves` (arrays or ShapeDtypeStructs with shardings), lowered:
+    what :func:`array_digests` runs, for the memory plan to compile ahead of time."""
+    return _digest.lower(leaves, tuple(_spread(x) for x in leaves))
+
+
+def array_digests(leaves: list, names: list[str], program: jax.stages.Compiled | None = None) -> dict[str, list[int]]:
+    """Leaf name → digest of that array (two uint32), the same under any sharding. `program`:
+    :func:`digest_program` for these leaves' shapes and shardings, already compiled."""
+    out = jax.device_get(program(leaves) if program is not None else _digest(leaves, tuple(_spread(x) for x in leaves)))
     return {n: [int(v) for v in d] for n, d in zip(names, out)}
 
 

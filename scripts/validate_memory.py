@@ -2,8 +2,8 @@
 
     python scripts/validate_memory.py [--json out.json] [experiments/x.yaml ...]
 
-For every shipped ``experiments/*.yaml`` (and the quickstart with ``train.microbatches=4
-model.remat=full``), or the configs given: :func:`meshpar.plan.memory.analytic` (nothing
+For every shipped ``experiments/*.yaml`` and the variants in VARIANTS (remat, microbatches,
+a rolled layer loop), or the configs given: :func:`meshpar.plan.memory.analytic` (nothing
 compiled) and the real train step compiled ahead of time on abstract inputs
 (:func:`meshpar.aot.memory`), MiB per device. Nothing is allocated and no step runs.
 
@@ -11,8 +11,8 @@ XLA sees one step program, so the analytic figures are compared on what that pro
 
 * ``state+batch`` — analytic params + optimizer + one batch's slice, against XLA's argument
   bytes (exact but for the stop flags' 4 bytes);
-* ``grads+act`` — analytic gradients + saved activations, against XLA's temp bytes (which
-  also hold the workspace: an estimate against a measurement);
+* ``working set`` — analytic gradients + saved activations + workspace (the larger of the
+  backward and the update phase), against XLA's temp bytes (an estimate against a measurement);
 * ``step total`` — analytic total without the extra resident batches (prefetched and in
   flight) and the relay's copies, which live outside the step program, against XLA's
   argument + output + temp − alias, with the error; ``plan total`` is the analytic total with
@@ -26,7 +26,16 @@ import glob
 import json
 import sys
 
-VARIANTS = [("experiments/quickstart.yaml", ["train.microbatches=4", "model.remat=full"])]
+# The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
+VARIANTS = [
+    ("experiments/quickstart.yaml", ["train.microbatches=4", "model.remat=full"]),
+    ("experiments/quickstart.yaml", ["model.remat=dots"]),
+    ("experiments/quickstart.yaml", ["model.remat=full"]),
+    ("experiments/transformer_fsdp.yaml", ["train.microbatches=2"]),
+    ("experiments/mlp_data_parallel.yaml", ["model.remat=full"]),
+    ("experiments/mlp_model_parallel.yaml", ["train.microbatches=4"]),
+    ("experiments/quickstart.yaml", ["model.scan_unroll=1"]),
+]
 TARGET = 0.10  # |analytic − XLA| / XLA on the step total
 
 
@@ -47,16 +56,19 @@ def measure(path: str, overrides: list[str]) -> dict:
     plan = memory.analytic(cfg, step)
     xla = aot.memory(step.lower().compile())
     c = plan.categories
-    batches = cfg.feed.prefetch + (1 if cfg.train.sync_every_step else 2)
-    one_batch = c["inputs"] // batches
-    step_total = plan.total - (c["inputs"] - one_batch) - c.get("relay_inputs", 0)
+    one_batch = c["inputs"]
+    step_total = plan.total - c["queued_inputs"] - c.get("relay_inputs", 0)
     pairs = {
         "state+batch": (c["params"] + c["optimizer"] + one_batch, xla["argument_bytes"]),
-        "grads+act": (c["grads"] + c["activations"], xla["temp_bytes"]),
+        "working set": (c["grads"] + c["activations"] + c.get("workspace", 0), xla["temp_bytes"]),
         "step total": (step_total, xla["total_bytes"]),
     }
+    by_label: dict[str, int] = {}  # saved activations by checkpoint_name tag (else the op that makes them)
+    for r in memory.saved_activations(cfg, step):
+        by_label[r.label] = by_label.get(r.label, 0) + r.total
     return {
         "config": path, "overrides": overrides, "analytic": c, "exact": sorted(plan.exact),
+        "activations_by_label": dict(sorted(by_label.items(), key=lambda kv: -kv[1])),
         "plan_total_bytes": plan.total, "xla": xla,
         "compare": {k: {"analytic_bytes": a, "xla_bytes": x, "error": _err(a, x)} for k, (a, x) in pairs.items()},
     }  # fmt: skip
@@ -76,9 +88,9 @@ def main(argv=None) -> int:
     from rich.table import Table
 
     table = Table(title="analytic memory model vs XLA's compiled train step, MiB per device (error vs XLA)")
-    for name in ("experiment", "params", "grads", "optimizer", "activations", "inputs"):
+    for name in ("experiment", "params", "grads", "optimizer", "activations", "workspace", "inputs"):
         table.add_column(name, justify="left" if name == "experiment" else "right", no_wrap=True)
-    for name in ("state+batch vs argument", "grads+act vs temp", "step total vs XLA total", "plan total"):
+    for name in ("state+batch vs argument", "working set vs temp", "step total vs XLA total", "plan total"):
         table.add_column(name, justify="right")
     rows, misses = [], 0
     for path, overrides in runs:
@@ -92,10 +104,10 @@ def main(argv=None) -> int:
             return f"{_mib(a)} / {_mib(x)} ({e:+.1%})"
 
         name = path.removeprefix("experiments/").removesuffix(".yaml") + "".join(f" {o}" for o in overrides)
-        inputs = c["inputs"] + c.get("relay_inputs", 0)
+        inputs = c["inputs"] + c["queued_inputs"] + c.get("relay_inputs", 0)
         table.add_row(
-            name, *(_mib(c[k]) for k in ("params", "grads", "optimizer", "activations")), _mib(inputs),
-            pair("state+batch"), pair("grads+act"), pair("step total"), _mib(r["plan_total_bytes"]),
+            name, *(_mib(c.get(k, 0)) for k in ("params", "grads", "optimizer", "activations", "workspace")),
+            _mib(inputs), pair("state+batch"), pair("working set"), pair("step total"), _mib(r["plan_total_bytes"]),
         )  # fmt: skip
     console = Console(width=None if sys.stdout.isatty() else 220)
     console.print(table)

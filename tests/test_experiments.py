@@ -1,16 +1,36 @@
 """Every shipped experiment config builds and trains; throughput figures agree with each other."""
 
 import pathlib
+import re
+import shlex
 
 import jax
 import numpy as np
 import pytest
 
-from meshpar import config, experiment, loop, train
+from meshpar import aot, config, experiment, loop, train
+from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.yaml"))
 SHORT = ["train.steps=2", "train.log_every=1", "train.eval_batches=1", "train.progress=false"]
+
+
+def _header(path: pathlib.Path) -> list[str]:
+    """The opening comment lines of an experiment, without their '# '."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[2:])
+    return lines
+
+
+def _runs_with(path: pathlib.Path) -> list[str]:
+    """The overrides of a command in the header that runs this experiment with changes (the
+    change a refused config is trained with), else none."""
+    command = f"  python -m meshpar.train --config experiments/{path.name} "
+    return next((shlex.split(line[len(command):]) for line in _header(path) if line.startswith(command)), [])
 
 
 def test_there_are_experiments():
@@ -18,16 +38,50 @@ def test_there_are_experiments():
     assert {"quickstart", "mlp_data_parallel", "mlp_model_parallel", "transformer_2d"} <= names
 
 
-@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+# does_not_fit trains a 25.7M-parameter model (about 15 s here): its header's command runs it,
+# test_preflight trains a refused config with the change its refusal proposes, and
+# test_does_not_fit_is_refused_and_split_as_its_header_says keeps the header's figures true.
+SLOW = {"does_not_fit"}
+
+
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in EXPERIMENTS], ids=lambda p: p.stem
+)
 def test_experiment_runs_two_steps(path, tmp_path):
     text = path.read_text()
     assert text.startswith(f"# python -m meshpar.train --config experiments/{path.name}\n")
-    cfg = config.load(path, [*SHORT, f"workdir={tmp_path}"])
+    cfg = config.load(path, [*SHORT, *_runs_with(path), f"workdir={tmp_path}"])
     summary = train.run(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert "final_eval_loss" in summary
+
+
+def test_does_not_fit_is_refused_and_split_as_its_header_says(tmp_path):
+    path = pathlib.Path("experiments/does_not_fit.yaml")
+    header = _header(path)
+    text = " ".join(line.strip() for line in header)
+    refusal = next(line.strip() for line in header if line.strip().startswith("config error: "))
+    cfg = config.load(path, [f"workdir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        experiment.build(cfg)  # the analytic check alone: nothing compiled, nothing allocated
+    assert f"config error: {e.value}" == refusal
+    assert shlex.split(re.search(r"; fits with (.+) \(needs", refusal).group(1)) == _runs_with(path)
+    # The table: parameters + AdamW state per device for model-axis size M, from the shardings.
+    claimed = re.search(r"are ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+) MiB for M = 1, 2, 4, 8", text).groups()
+    whole = int(re.search(r"plus ([\d,]+) bytes held whole", text).group(1).replace(",", ""))
+    layout = re.search(r"\(mesh data:8/M,model:M, layout (.+?)\)", text).group(1)
+    sizes = (1, 2, 4, 8)
+    arrays = {}
+    for m in sizes:
+        split = config.load(path, [f"mesh=data:{8 // m},model:{m}", f"layout={layout}"])
+        arrays[m] = aot.state_bytes(aot.abstract_step(split).plan)
+    kept = {name for name, a in arrays[8].items() if a["per_device_bytes"] == a["total_bytes"]}  # not split at all
+    for m, mib in zip(sizes, claimed):
+        assert f"{sum(a['per_device_bytes'] for a in arrays[m].values()) / 2**20:.2f}" == mib
+        assert sum(arrays[m][name]["per_device_bytes"] for name in kept) == whole  # the replicated remainder
+        assert all(a["per_device_bytes"] * m == a["total_bytes"] for name, a in arrays[m].items() if name not in kept)
 
 
 def test_throughput_figures_are_consistent(tmp_path):

@@ -10,6 +10,10 @@ analytic categories:
 - output = the new state and the metrics; alias = the state donated back into its own buffers;
 - total = argument + output + temp − alias, the step's peak (on CPU ``peak_memory_in_bytes``
   leaves temp out, so it is not used).
+
+The run executes other programs too (the eval step, the checkpoint digest), each with its own
+peak and with other buffers resident beside it (:mod:`meshpar.plan.programs`). What the plan
+needs per device is the largest of those peaks and of the analytic total.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from meshpar import aot
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config
 from meshpar.plan import capacity as capacity_lib
+from meshpar.plan import programs as programs_lib
 
 # Analytic categories beside the XLA figure they are part of (see the module docstring).
 GROUPS = (
     ("argument", "state + batch (exact)", ("params", "optimizer", "inputs")),
-    ("temp", "grads + activations + workspace (estimate)", ("grads", "activations")),
+    ("temp", "grads + activations + workspace (estimate)", ("grads", "activations", "workspace")),
 )
 
 
@@ -40,18 +45,25 @@ class Report:
     analytic_missing: str | None
     xla: dict[str, int]
     capacity: capacity_lib.Capacity
+    programs: tuple = ()  # meshpar.plan.programs.Peak of every program the run executes
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)  # the train step, for the run to reuse
 
     @property
     def needed_bytes(self) -> int:
-        """Per-device bytes the plan needs: the larger of XLA's total and the analytic total (the
-        analytic one also counts buffers outside the step, such as prefetched batches)."""
-        return max(self.xla["total_bytes"], self.analytic.total if self.analytic is not None else 0)
+        """Per-device bytes the plan needs: the highest program peak (XLA's figures plus what is
+        resident beside the program), or the analytic total when that is higher."""
+        return max([self.xla["total_bytes"], *(p.bytes for p in self.programs), self.analytic_total])
+
+    @property
+    def analytic_total(self) -> int:
+        return self.analytic.total if self.analytic is not None else 0
 
     @property
     def needed_from(self) -> str:
-        if self.analytic is not None and self.analytic.total > self.xla["total_bytes"]:
-            return "analytic total"
-        return "XLA argument + output + temp − alias"
+        top = max(self.programs, key=lambda p: p.bytes, default=None)
+        if top is None or self.analytic_total > top.bytes:
+            return "analytic total" if self.analytic_total > self.xla["total_bytes"] else "XLA total of the train step"
+        return f"{top.program} peak (XLA total + resident {', '.join(top.resident) or 'nothing'})"
 
     @property
     def fits(self) -> bool:
@@ -75,6 +87,10 @@ class Report:
                 "bytes": self.capacity.bytes, "source": self.capacity.source,
                 "headroom_bytes": self.capacity.headroom_bytes, "usable_bytes": self.capacity.usable_bytes,
             },
+            "programs": [
+                {"program": p.program, "xla": dict(p.xla), "resident": dict(p.resident), "peak_bytes": p.bytes}
+                for p in self.programs
+            ],
             "needed_bytes": self.needed_bytes,
             "needed_from": self.needed_from,
             "fits": self.fits,
@@ -90,15 +106,19 @@ def _analytic(cfg: Config, step: aot.AbstractStep):
     return memory.analytic(cfg, step), None
 
 
-def plan(cfg: Config) -> Report:
+def plan(cfg: Config, step: aot.AbstractStep | None = None, analytic=None) -> Report:
     """Compile the config's train step on abstract inputs (nothing is allocated) and set XLA's
-    figures beside the analytic model and the device capacity."""
-    step = aot.abstract_step(cfg)
-    analytic, missing = _analytic(cfg, step)
-    xla = aot.memory(step.lower().compile())
+    figures beside the analytic model and the device capacity. `step`: the abstract step when
+    the caller has built it already (a run's pre-flight), with `analytic` its breakdown when
+    known (:func:`meshpar.plan.memory.analytic`); the compiled step is kept in
+    ``Report.compiled`` for the run to use instead of compiling it again."""
+    step = step or aot.abstract_step(cfg)
+    analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)
+    compiled = step.lower().compile()
     return Report(
         mesh_lib.describe(step.mesh), f"{step.mesh.size} {step.mesh.devices.flat[0].platform}",
-        analytic, missing, xla, capacity_lib.device_capacity(cfg, step.mesh),
+        analytic, missing, aot.memory(compiled), capacity_lib.device_capacity(cfg, step.mesh),
+        tuple(programs_lib.peaks(cfg, step, compiled)), compiled,
     )  # fmt: skip
 
 
@@ -159,4 +179,21 @@ def table(report: Report):
     t.add_row("capacity", fmt_bytes(c.bytes), "", "", "", "")
     t.add_row("− headroom", fmt_bytes(c.headroom_bytes), "", "", "", "")
     t.add_row("usable", fmt_bytes(c.usable_bytes), "", "", "", "", style="bold")
+    return t
+
+
+def programs_table(report: Report):
+    """Every program the run executes: XLA's total for it, what is resident beside it, its peak,
+    and what the plan needs (the highest peak, or the analytic total when higher)."""
+    from rich.table import Table
+
+    t = Table(title="peak per program, per device", title_justify="left")
+    t.add_column("program", no_wrap=True)
+    t.add_column("XLA total", justify="right")
+    t.add_column("resident beside it")
+    t.add_column("peak", justify="right")
+    for p in report.programs:
+        resident = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in p.resident.items() if v) or "nothing"
+        t.add_row(p.program, fmt_bytes(p.xla["total_bytes"]), resident, fmt_bytes(p.bytes))
+    t.add_row("needed", "", report.needed_from, fmt_bytes(report.needed_bytes), style="bold")
     return t

@@ -1,0 +1,135 @@
+"""A run's memory pre-flight (``plan.check``): before anything is allocated, does it fit?
+
+:func:`meshpar.experiment.build` calls it once the mesh, the layout and the state's plan exist
+(shapes and shardings only) and before any state is initialised, restored or placed:
+
+1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory`) against the usable
+   bytes of one device (:mod:`meshpar.plan.capacity`). Nothing is compiled, so a layout that
+   cannot fit, however absurd its size, is refused in seconds.
+2. :func:`check_compiled` — the train step compiled ahead of time on abstract arguments
+   (:func:`meshpar.plan.report.plan`), refused if XLA's figures (the peak of every program the
+   run executes) do not fit. The run then calls that compiled step: it is not compiled twice.
+
+A refusal is a :class:`~meshpar.config.ConfigError` (exit 2, one line) that says what is
+needed, what is usable and where that figure comes from, the largest category, and the first
+change from a fixed list that fits (:mod:`meshpar.plan.candidates`), or that none does.
+
+In a multi-process run every process computes the same analytic figures (they come from shapes
+and shardings alone), takes the smallest capacity of all processes and the largest XLA figure,
+exchanged through the coordination service: every process reaches the same verdict, and a
+refusal on one is a refusal on all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from meshpar import aot, distributed
+from meshpar.config import Config, ConfigError
+from meshpar.errors import DistributedError
+from meshpar.plan import candidates as candidates_lib
+from meshpar.plan import capacity as capacity_lib
+from meshpar.plan import memory
+from meshpar.plan import report as report_lib
+from meshpar.plan.report import fmt_bytes
+
+# How long a process waits for the others' figures (they may still be reading their data).
+AGREE_TIMEOUT_S = 600
+# The key a refusal names when no candidate fits: what makes the largest category that large.
+CATEGORY_KEYS = {"inputs": "train.batch_size", "relay_inputs": "train.batch_size", "activations": "train.batch_size"}
+
+
+def _agree(name: str, value, combine):
+    """`combine` of every process's `value` (JSON-able), through the coordination service's
+    key-value store; `value` itself in a single-process run."""
+    if jax.process_count() == 1:
+        return value
+    client = distributed._client()  # the store jax.distributed.initialize created (no public API)
+    prefix = f"meshpar/preflight/{name}"
+    try:
+        client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
+        values = [
+            json.loads(client.blocking_key_value_get(f"{prefix}/{k}", AGREE_TIMEOUT_S * 1000))
+            for k in range(jax.process_count())
+        ]
+    except Exception as e:  # noqa: BLE001 — jax's JaxRuntimeError: a peer never posted its figure
+        raise DistributedError(f"the memory pre-flight could not gather every process's {name}: {e}") from None
+    return combine(values)
+
+
+def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> capacity_lib.Capacity:
+    """The usable capacity every process plans with: the smallest of all processes'."""
+    own = capacity_lib.device_capacity(cfg, mesh)
+    smallest = _agree(
+        "capacity", [own.bytes, own.source, own.headroom_bytes], lambda vs: min(vs, key=lambda v: v[0] - v[2])
+    )
+    if smallest[0] - smallest[2] < own.usable_bytes:
+        return capacity_lib.Capacity(smallest[0], f"{smallest[1]} (the smallest of the processes)", smallest[2])
+    return own
+
+
+def _largest(breakdown: memory.Breakdown) -> tuple[str, int]:
+    return max(breakdown.categories.items(), key=lambda kv: kv[1])
+
+
+def refusal(
+    cfg: Config,
+    step: aot.AbstractStep,
+    element_spec: dict,
+    needed: int,
+    breakdown: memory.Breakdown,
+    capacity: capacity_lib.Capacity,
+    by: str = "",
+) -> ConfigError:
+    """The one-line error for a config that needs `needed` bytes per device (`by`: by which
+    figure, when not the analytic total), with the first candidate change that fits."""
+    usable = capacity.usable_bytes
+    scale = max(needed / breakdown.total, 1.0) if breakdown.total else 1.0
+    found = candidates_lib.search(cfg, step, element_spec, usable, scale)
+    name, size = _largest(breakdown)
+    head = (
+        f"does not fit: needs {fmt_bytes(needed)} per device{f' ({by})' if by else ''} "
+        f"(largest: {name} {fmt_bytes(size)}), {fmt_bytes(usable)} usable on {capacity.source}"
+    )
+    if found.fit is not None:
+        return ConfigError(found.fit.key, f"{head}; fits with {found.fit} (needs {fmt_bytes(found.needed)})")
+    if found.closest is not None:
+        least = "at least " if found.at_least else ""
+        closest = f"closest: {found.closest}, needs {least}{fmt_bytes(found.needed)}"
+        tail = f"none of the {found.tried} candidate changes fits ({closest})"
+    else:
+        tail = "no candidate change applies to this config"
+    return ConfigError(CATEGORY_KEYS.get(name, "model"), f"{head}; {tail}")
+
+
+def check_analytic(
+    cfg: Config, step: aot.AbstractStep, element_spec: dict
+) -> tuple[memory.Breakdown, capacity_lib.Capacity]:
+    """The analytic model against the capacity; raises the refusal (see :func:`refusal`) when it
+    does not fit. Nothing is compiled or allocated."""
+    capacity = device_capacity(cfg, step.mesh)
+    breakdown = memory.analytic(cfg, step)
+    if breakdown.total > capacity.usable_bytes:
+        raise refusal(cfg, step, element_spec, breakdown.total, breakdown, capacity)
+    return breakdown, capacity
+
+
+def check_compiled(
+    cfg: Config,
+    step: aot.AbstractStep,
+    element_spec: dict,
+    breakdown: memory.Breakdown,
+    capacity: capacity_lib.Capacity,
+) -> dict[str, jax.stages.Compiled]:
+    """Compile the train step ahead of time and hold XLA's figures against the capacity; raises
+    the refusal when they do not fit (the candidates are then held to the analytic totals
+    scaled by XLA's excess). Returns every program the run executes, compiled, by name (see
+    :mod:`meshpar.plan.programs`: ``train step``, ``eval step``, ``checkpoint digest``), for
+    the run to call instead of compiling them again."""
+    report = report_lib.plan(cfg, step, breakdown)
+    needed = _agree("needed", report.needed_bytes, max)
+    if needed > capacity.usable_bytes:
+        raise refusal(cfg, step, element_spec, needed, breakdown, capacity, by=report.needed_from)
+    return {p.program: p.compiled for p in report.programs}

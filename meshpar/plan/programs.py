@@ -1,0 +1,95 @@
+"""Every program a run executes, each with its own per-device peak, compiled ahead of time.
+
+A run executes more than its train step, and each program peaks with different buffers alive
+beside it. Per device, in bytes, each peak is XLA's total for the program (argument + output +
+temp − alias of ``memory_analysis()``) plus what is resident outside it at that moment:
+
+* **train step** — the state and one batch are its arguments; outside it, the batches placed
+  ahead (``feed.prefetch``) and the one a dispatched step still holds under the lagged loop
+  (see :mod:`meshpar.loop`; none with ``train.sync_every_step``);
+* **eval step** (when ``train.eval_every`` > 0) — its arguments are the parameters and one
+  eval batch; the rest of the train state (optimizer state, step, RNG key) stays resident, and
+  so do the prefetched train batches. The loop waits for the step before it evaluates, so no
+  train batch is in flight;
+* **checkpoint digest** (when the run saves) — the program that digests every state array
+  before a save (:mod:`meshpar.integrity`): the whole state is its argument; its temporaries
+  are the arrays' bits. The prefetched train batches stay resident.
+
+In routed feeding the relay device also holds the whole process batch it received, and the
+slices cut from it, while the prefetch thread places the next batch: at any of these peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from meshpar import aot, integrity, trainer
+from meshpar.config import Config
+from meshpar.plan import feed_time
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """One program's per-device peak: XLA's figures for it and the bytes resident beside it."""
+
+    program: str
+    xla: dict[str, int]  # aot.memory(compiled)
+    resident: dict[str, int]  # what lives outside the program at its peak, by what it is
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)  # for a run to call
+
+    @property
+    def bytes(self) -> int:
+        return self.xla["total_bytes"] + sum(self.resident.values())
+
+
+def _per_device(tree) -> int:
+    """Bytes one device holds of every leaf of `tree` (ShapeDtypeStructs with shardings)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def relay_bytes(cfg: Config, batch: dict) -> int:
+    """Routed feeding: the relay device's copy of the whole process batch and the other slices
+    cut from it while it places them (:func:`meshpar.plan.feed_time.relay_bytes`); 0 in direct
+    feeding. `batch`: the global batch, ShapeDtypeStructs with their shardings."""
+    processes = cfg.distributed.num_processes
+    process_batch = sum(math.prod(b.shape) * b.dtype.itemsize for b in batch.values()) // processes
+    first = next(iter(batch.values()))
+    shards = first.shape[0] // first.sharding.shard_shape(first.shape)[0]  # distinct batch slices
+    return feed_time.relay_bytes(cfg.feed.mode, process_batch, max(shards // processes, 1))
+
+
+def runs_eval(cfg: Config) -> bool:
+    return cfg.train.eval_every > 0
+
+
+def saves(cfg: Config) -> bool:
+    """Whether the run saves checkpoints (periodically, or at the end of a resumable run)."""
+    return bool(cfg.checkpoint.every or cfg.checkpoint.resume == "auto")
+
+
+def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> list[Peak]:
+    """The peak of every program the config's run executes (the train step already compiled as
+    `train`; the others compiled here on abstract arguments, nothing allocated), each with its
+    compiled program, which a run calls instead of compiling it again."""
+    state, batch, _ = step.args
+    one_batch = _per_device(batch)
+    prefetched = {"prefetched batches": one_batch * cfg.feed.prefetch} if cfg.feed.prefetch else {}
+    relay = {"relay copy of the process batch": relay_bytes(cfg, batch)} if cfg.feed.mode == "routed" else {}
+    in_flight = {} if cfg.train.sync_every_step else {"batch of the step in flight": one_batch}
+    out = [Peak("train step", aot.memory(train), {**prefetched, **in_flight, **relay}, train)]
+    if runs_eval(cfg):
+        shardings = {k: b.sharding for k, b in batch.items()}
+        plan = step.plan
+        evaluate = trainer.make_eval_step(plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings)
+        compiled = evaluate.lower(state.params, batch).compile()
+        rest = _per_device(state) - _per_device(state.params)
+        resident = {"optimizer state, step, rng": rest, **prefetched, **relay}
+        out.append(Peak("eval step", aot.memory(compiled), resident, compiled))
+    if saves(cfg):
+        leaves = jax.tree.leaves(state)
+        compiled = integrity.digest_program(leaves).compile()
+        out.append(Peak("checkpoint digest", aot.memory(compiled), {**prefetched, **relay}, compiled))
+    return out
