@@ -4,33 +4,116 @@ Prints, per device, the analytic memory model next to XLA's figures for the conf
 compiled ahead of time (nothing is allocated), the device capacity with its source, and a verdict.
 ``--json PATH`` also writes it all (see :meth:`meshpar.plan.report.Report.to_json`).
 
-Exit status: 0 when the plan fits, 1 when it does not; 2 on a config or data mistake, with one
-line ``config error: <key>: <what is wrong>`` (``data error: ...``) on stderr.
+``--topology NAME`` (a shipped machine, see :func:`meshpar.plan.topology.names`, or a YAML
+path) adds the predicted step time on that machine, by term, and the batch placement time.
+``--compare-feeding --topology NAME [--png PATH]`` predicts instead, for process batches of
+1 MiB to 1 GiB, placement time and the relay device's extra memory, routed vs direct, for the
+config's mesh and layout on that machine; nothing is compiled.
+
+Exit status: 0 when the plan fits (``--compare-feeding``: always), 1 when it does not; 2 on a
+config or data mistake (an unknown ``--topology`` included), with one line ``config error:
+<key>: <what is wrong>`` (``data error: ...``) on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import sys
 
 from meshpar import config as config_lib
 from meshpar import errors
+from meshpar.config import ConfigError
 from meshpar.plan import report as report_lib
+
+
+def _topology(cfg, name: str):
+    """The named machine; for ``cpu-sim``, this host measured over the config's mesh's devices
+    (started first, as a run would start them)."""
+    from meshpar.plan import topology
+
+    if name == topology.CPU_SIM:
+        from meshpar import experiment
+
+        return topology.load(name, devices=experiment.make_mesh(cfg).size)
+    return topology.load(name)
+
+
+def _feed_seconds(cfg, topo) -> float:
+    from meshpar.plan import feed_time
+
+    split = feed_time.config_split(cfg, topo)
+    mode, n = cfg.feed.mode, split.num_devices
+    return feed_time.placement_time(topo, mode, split.batch_bytes, n, split.shards, split.fields, split.aliased(mode))
+
+
+def compare_feeding(cfg, topo, png: str | None) -> int:
+    """Print (and draw) routed vs direct placement for batch sizes 1 MiB … 1 GiB on `topo`."""
+    from rich.console import Console
+
+    from meshpar.plan import feed_time, time_report
+
+    split = feed_time.config_split(cfg, topo)
+    rows = feed_time.compare(topo, split.num_devices, split.shards, split.fields)
+    if png:
+        try:
+            time_report.feeding_png(rows, topo, split, png)
+        except OSError as e:
+            raise errors.OutputError(f"cannot write {png}: {e.strerror}") from None
+    console = Console(width=max(Console().width, 120))
+    console.print(time_report.feeding_table(rows, topo, split))
+    own = feed_time.compare(topo, split.num_devices, split.shards, split.fields, sizes=(split.batch_bytes,))[0]
+    console.print(
+        f"this config's batch ({report_lib.fmt_bytes(split.batch_bytes)}, feed.mode={cfg.feed.mode}): "
+        f"direct {time_report.fmt_seconds(own.direct_s)}, routed {time_report.fmt_seconds(own.routed_s)} "
+        f"({own.ratio:.2f}x)" + (f"; plot: {png}" if png else ""),
+        markup=False,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.plan", description="Per-device memory plan of a config.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON here")
+    parser.add_argument("--topology", metavar="NAME", help="machine to predict time on (e.g. h100-sxm-8, cpu-sim)")
+    parser.add_argument("--compare-feeding", action="store_true", help="routed vs direct placement, 1 MiB to 1 GiB")
+    parser.add_argument("--png", metavar="PATH", help="with --compare-feeding: also draw it here")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
+    step_time = topo = None
     try:
-        report = report_lib.plan(config_lib.load(args.config, args.overrides))
+        cfg = config_lib.load(args.config, args.overrides)
+        if args.compare_feeding or args.png:
+            if not args.compare_feeding:
+                raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")
+            if not args.topology:
+                from meshpar.plan import topology
+
+                known = ", ".join(topology.names())
+                raise ConfigError("--topology", f"--compare-feeding needs a machine (known: {known})")
+            return compare_feeding(cfg, _topology(cfg, args.topology), args.png)
+        if args.topology:
+            from meshpar import aot
+
+            topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
+            step = aot.abstract_step(cfg)
+            report = report_lib.plan(cfg, step)
+            feed_s = _feed_seconds(cfg, topo)
+            if importlib.util.find_spec("meshpar.plan.timing") is not None:
+                from meshpar.plan import timing
+
+                step_time = timing.predict(cfg, step, report.compiled, topo, feed_s)
+        else:
+            report = report_lib.plan(cfg)
         if args.json:
+            out = report.to_json()
+            if topo is not None:
+                out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": step_time and timing.to_json(step_time)}
             try:
-                pathlib.Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+                pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             except OSError as e:
                 raise errors.OutputError(f"cannot write {args.json}: {e.strerror}") from None
     except Exception as e:
@@ -39,9 +122,18 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=max(Console().width, 136))
     console.print(report_lib.table(report))
+    console.print(report_lib.programs_table(report))
     if report.analytic_missing:
         console.print(f"analytic: {report.analytic_missing}")
     console.print(f"{report.verdict()} (needed: {report.needed_from})", markup=False)
+    if topo is not None:
+        from meshpar.plan import time_report
+
+        if step_time is not None:
+            console.print(time_report.step_table(step_time, topo))
+        else:
+            console.print(f"time: no step-time model in this build; feed placement on {topo.name}: "
+                          f"{time_report.fmt_seconds(feed_s)} ({cfg.feed.mode})", markup=False)  # fmt: skip
     return 0 if report.fits else 1
 
 

@@ -1,0 +1,356 @@
+"""Machines the time model predicts for: per-device peak FLOP/s and memory, host memory
+bandwidth, host→device links (and which devices share a switch uplink), device↔device links.
+
+Each shipped machine is a YAML file in ``meshpar/plan/topologies/`` with every figure's public
+source in a comment beside it (vendor datasheets, the PCIe and NVLink generation bandwidths).
+Figures in the files are the datasheet's raw ones; each link states the efficiency a transfer
+reaches over it and why, and :class:`Link` holds the effective figure (raw × efficiency).
+
+``cpu-sim`` is this host's simulated CPU devices, measured at first use on separate
+microbenchmarks (never on the experiments a prediction is checked against):
+:func:`calibrate` — memcpy bandwidth, a float32 matmul with every simulated device busy,
+host→device placement, a device→device copy, and a small all-reduce at two sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import time
+
+import numpy as np
+import yaml
+
+from meshpar.config import ConfigError
+
+DIR = pathlib.Path(__file__).parent / "topologies"
+CPU_SIM = "cpu-sim"
+KEY = "--topology"
+GIB = 1 << 30
+# Kinds of device↔device link: NVLink behind NVSwitch (any pair at full bandwidth), PCIe peer
+# to peer (full bandwidth under one switch, the switches' uplinks shared beyond it), or staged
+# through host memory (no peer-to-peer: every copy crosses both devices' PCIe links).
+LINK_KINDS = ("nvlink", "pcie", "host", "memcpy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction, effective (raw × the efficiency its file states)
+    latency: float = 0.0  # s per transfer / per collective step
+    kind: str = "pcie"  # one of LINK_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    description: str
+    num_devices: int
+    peak_flops: dict[str, float]  # per device, FLOP/s, by dtype name ("float32", "bfloat16", "tf32", ...)
+    efficiency: float  # share of peak a step's FLOPs reach (stated in the file, with why)
+    memory_bytes: int  # per device
+    host_memory_bandwidth: float  # bytes/s, host memcpy
+    host_link: Link  # one device's own host→device link (e.g. PCIe gen5 x16)
+    host_groups: tuple[tuple[int, ...], ...]  # devices that share one uplink (switch) to the host
+    uplink: Link | None  # the shared uplink of a group; None = every device has its own path
+    device_link: Link  # device↔device link (NVLink / PCIe peer) collectives run over
+    # Used by the feed-time model (meshpar.plan.feed_time):
+    device_memory_bandwidth: float = 0.0  # bytes/s within one device (HBM; cutting slices on the relay)
+    copy_link: Link | None = None  # device→device copy when it differs from the collective link (cpu-sim)
+    relay_fanout: str = "shared"  # "shared": the relay's slices leave through one port; "parallel": a link per peer
+    # Host-side cost of one placement per field beyond its transfers (building the global
+    # array, the feeder's bookkeeping), s: direct, routed.
+    placement_overhead: tuple[float, float] = (0.0, 0.0)
+    host_aliasing: bool = False  # devices wrap a 64-byte-aligned host buffer instead of copying it (CPU)
+    source: str = ""  # where the figures came from (file, or "measured on this host")
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of one device for matmuls in `dtype`. ``float32`` is what XLA runs a float32
+        matmul as: on NVIDIA GPUs at JAX's default matmul precision that is TF32 tensor cores
+        (the ``tf32`` figure), under "highest"/"float32" plain FP32. A dtype the file has no
+        figure for falls back to ``float32``."""
+        if dtype == "float32" and "tf32" in self.peak_flops:
+            import jax
+
+            precision = jax.config.jax_default_matmul_precision
+            if precision in (None, "default", "high", "tensorfloat32", "TF32_TF32_F32"):
+                return self.peak_flops["tf32"]
+        return self.peak_flops[dtype] if dtype in self.peak_flops else self.peak("float32")
+
+    def group_of(self, device: int) -> tuple[int, ...]:
+        """The devices that share `device`'s uplink (itself alone when it has its own path)."""
+        return next((g for g in self.host_groups if device in g), (device,))
+
+    def axis_link(self, mesh_shape: dict[str, int], axis: str) -> Link:
+        """The link a collective over `axis` (or ``"a,b"``: several axes at once) runs on.
+
+        Devices are numbered row-major over `mesh_shape` (as ``jax.make_mesh`` lays out a
+        single host's devices). NVLink (NVSwitch) and memcpy links reach every pair at full
+        bandwidth. Over PCIe, a collective whose device groups each sit under one switch runs
+        at the peer bandwidth; one that crosses switches sends through their uplinks, which
+        every crossing group of the collective shares (ring order: one crossing transfer per
+        group and switch at a time), so each gets ``uplink / crossing groups``. Host-staged
+        copies always cross the uplink."""
+        names = list(mesh_shape)
+        axes = [a.strip() for a in axis.split(",")]
+        if any(a not in names for a in axes):
+            raise ValueError(f"axis {axis!r} is not in mesh {mesh_shape}")
+        shape = [mesh_shape[a] for a in names]
+        if math.prod(shape) > self.num_devices:
+            raise ValueError(f"mesh {mesh_shape} has more devices than {self.name}'s {self.num_devices}")
+        link = self.device_link
+        if link.kind in ("nvlink", "memcpy") or self.uplink is None:
+            return link
+        ids = np.arange(math.prod(shape)).reshape(shape)
+        moved = np.moveaxis(ids, [names.index(a) for a in axes], range(-len(axes), 0))
+        groups = moved.reshape(-1, math.prod(mesh_shape[a] for a in axes))
+        worst = 0
+        for switch in self.host_groups:
+            inside = set(switch)
+            crossing = sum(1 for g in groups if (link.kind == "host" or not inside.issuperset(g)) and inside & set(g))
+            worst = max(worst, crossing)
+        if worst == 0:
+            return link
+        bandwidth = min(link.bandwidth, self.uplink.bandwidth / worst)
+        return Link(bandwidth, max(link.latency, self.uplink.latency), link.kind)
+
+
+def names() -> list[str]:
+    """The shipped topology names (``cpu-sim`` included)."""
+    return sorted(p.stem for p in DIR.glob("*.yaml"))
+
+
+def load(name_or_path: str, devices: int | None = None) -> Topology:
+    """A shipped topology by name, or a YAML file by path. ``cpu-sim`` is calibrated on this
+    host's first `devices` simulated CPU devices (default: all of them) at first use, cached
+    per process and device count. Raises ConfigError (key ``--topology``) for an unknown name
+    or a malformed file."""
+    path = pathlib.Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        if name_or_path not in names():
+            raise ConfigError(KEY, f"unknown topology {name_or_path!r} (known: {', '.join(names())})")
+        path = DIR / f"{name_or_path}.yaml"
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(KEY, f"cannot read {path.name}: {' '.join(str(e).split())}") from None
+    if isinstance(spec, dict) and spec.get("calibrated"):
+        import jax
+
+        return calibrated(devices or len(jax.devices("cpu")), spec.get("description", ""))
+    return from_dict(spec, path.name)
+
+
+def _link(spec, where: str) -> Link:
+    if not isinstance(spec, dict):
+        raise ConfigError(KEY, f"{where}: expected a mapping with gbps, efficiency, latency_us")
+    bw = _positive(spec, "gbps", where) * 1e9 * _fraction(spec, where)
+    kind = spec.get("kind", "pcie")
+    if kind not in LINK_KINDS:
+        raise ConfigError(KEY, f"{where}.kind: {kind!r} is not one of {', '.join(LINK_KINDS)}")
+    return Link(bw, float(spec.get("latency_us", 0.0)) * 1e-6, kind)
+
+
+def _positive(spec: dict, key: str, where: str) -> float:
+    value = spec.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(KEY, f"{where}.{key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _fraction(spec: dict, where: str) -> float:
+    value = _positive(spec, "efficiency", where)
+    if value > 1:
+        raise ConfigError(KEY, f"{where}.efficiency: {value} is above 1")
+    return value
+
+
+def from_dict(spec: dict, where: str = "topology") -> Topology:
+    """A Topology from a file's mapping (raw figures × their stated efficiencies)."""
+    if not isinstance(spec, dict):
+        raise ConfigError(KEY, f"{where}: expected a mapping")
+    known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
+             "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
+             "placement_overhead_us"}  # fmt: skip
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+    n = int(_positive(spec, "num_devices", where))
+    peaks = spec.get("peak_tflops")
+    if not isinstance(peaks, dict) or "float32" not in peaks:
+        raise ConfigError(KEY, f"{where}.peak_tflops: expected a mapping by dtype that has float32")
+    groups = tuple(tuple(int(d) for d in g) for g in spec.get("host_groups") or [[d] for d in range(n)])
+    if sorted(d for g in groups for d in g) != list(range(n)):
+        raise ConfigError(KEY, f"{where}.host_groups: must list every device 0..{n - 1} once")
+    uplink = spec.get("uplink")
+    fanout = spec.get("relay_fanout", "shared")
+    overhead = spec.get("placement_overhead_us") or {}
+    if not isinstance(overhead, dict) or set(overhead) - {"direct", "routed"}:
+        raise ConfigError(KEY, f"{where}.placement_overhead_us: expected a mapping with direct and routed")
+    if fanout not in ("shared", "parallel"):
+        raise ConfigError(KEY, f"{where}.relay_fanout: expected shared or parallel, got {fanout!r}")
+    return Topology(
+        name=str(spec.get("name", where)), description=str(spec.get("description", "")), num_devices=n,
+        peak_flops={k: _positive(peaks, k, f"{where}.peak_tflops") * 1e12 for k in peaks},
+        efficiency=_fraction(spec, where), memory_bytes=int(_positive(spec, "memory_gib", where) * GIB),
+        host_memory_bandwidth=_link(spec.get("host_memory"), f"{where}.host_memory").bandwidth,
+        host_link=_link(spec.get("host_link"), f"{where}.host_link"), host_groups=groups,
+        uplink=None if uplink is None else _link(uplink, f"{where}.uplink"),
+        device_link=_link(spec.get("device_link"), f"{where}.device_link"),
+        device_memory_bandwidth=_positive(spec, "device_memory_gbps", where) * 1e9,
+        relay_fanout=fanout, source=where,
+        placement_overhead=tuple(float(overhead.get(m, 0.0)) * 1e-6 for m in ("direct", "routed")),
+    )  # fmt: skip
+
+
+# ---- cpu-sim: measured on this host -------------------------------------------------------
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, first-touch of pages)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _two_point(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(fixed cost, bytes/s) of ``t = fixed + bytes / bw`` through two (bytes, seconds) points."""
+    (b0, t0), (b1, t1) = small, large
+    bw = (b1 - b0) / max(t1 - t0, 1e-9)
+    return max(t0 - b0 / bw, 0.0), bw
+
+
+def _unaligned(nbytes: int) -> np.ndarray:
+    """A float32 host array whose data does not start on a 64-byte boundary: the CPU client
+    aliases a 64-byte-aligned numpy buffer instead of copying it (then no bytes move), so the
+    placement benchmarks use this to time a real copy."""
+    n = nbytes // 4
+    raw = np.ones(n + 16, np.float32)
+    skip = next(k for k in range(16) if (raw.ctypes.data + 4 * k) % 64 == 4)
+    return raw[skip : skip + n]
+
+
+def measure(devices) -> dict[str, float]:
+    """This host's figures on separate microbenchmarks over `devices` (simulated CPU devices);
+    about a second. Keys: memcpy_bps, matmul_flops (per device, every device busy at once),
+    put_latency_s, put_bps (host→device), direct_fixed_s, routed_fixed_s (a one-byte
+    placement through each feeder), copy_latency_s, copy_bps (device→device),
+    allreduce_latency_s, allreduce_bps (per ring step and per device, ring model)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    out = {}
+    # memcpy: 64 MiB, beyond any last-level cache, so it is DRAM bandwidth (bytes copied / s).
+    src = np.ones(64 << 20, np.uint8)
+    dst = np.empty_like(src)
+    out["memcpy_bps"] = src.nbytes / _median_time(lambda: np.copyto(dst, src), 3)
+    del src, dst
+    # matmul: one float32 [512, 512] product per device, all devices at once in one sharded
+    # program. The simulated devices share the host's cores, so a step (which keeps every
+    # device busy) gets this per-device rate, not what one device alone would reach.
+    mesh = Mesh(np.array(devices), ("devices",))
+    split = NamedSharding(mesh, PartitionSpec("devices"))
+    size = 512
+    # Inputs are made on the host: a jnp array would cost a compilation each (of `ones`, and
+    # of cutting it into shards), a second of this benchmark's time.
+    a = jax.device_put(np.ones((n, size, size), np.float32), split)
+    mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=split)
+    out["matmul_flops"] = 2 * size**3 / _median_time(lambda: mm(a).block_until_ready(), 5)
+    # host → device: the placement a direct feed makes (one array split over every device),
+    # from an unaligned buffer so the bytes are copied; two sizes give the per-device fixed
+    # cost (the transfers start one after another) and the bandwidth they share.
+    points = []
+    for nbytes in (64 << 10, 16 << 20):
+        host = _unaligned(nbytes).reshape(n, -1)
+        t = _median_time(lambda: jax.make_array_from_process_local_data(split, host).block_until_ready(), 5)
+        points.append((nbytes, t))
+    fixed, out["put_bps"] = _two_point(*points)
+    out["put_latency_s"] = fixed / n
+    # The feeders' own host-side cost per placement beyond the transfers (building the global
+    # array, their bookkeeping): one byte per device, so no bandwidth term. A separate tiny
+    # batch, never an experiment's.
+    from input_pipeline.feeding import DirectFeeder, RoutedFeeder
+
+    tiny, shard = {"x": np.zeros((n, 1), np.uint8)}, {"x": NamedSharding(mesh, PartitionSpec("devices", None))}
+    for mode, feeder in (("direct", DirectFeeder(shard, n)), ("routed", RoutedFeeder(shard, n))):
+        out[f"{mode}_fixed_s"] = _median_time(lambda: feeder.place(tiny), 9)  # noqa: B023 (called at once)
+    if n < 2:  # nothing to copy between or reduce over: a device copy is a memcpy
+        return {**out, "copy_bps": out["memcpy_bps"], "copy_latency_s": out["put_latency_s"],
+                "allreduce_bps": out["memcpy_bps"], "allreduce_latency_s": 0.0}  # fmt: skip
+    # device → device: what a routed feed does after the host leg (slices from the relay to
+    # every other device, one call).
+    points = []
+    for nbytes in (64 << 10, 16 << 20):
+        pieces = [jax.device_put(_unaligned(nbytes // n), devices[0]) for _ in range(n - 1)]
+        t = _median_time(lambda: jax.block_until_ready(jax.device_put(pieces, devices[1:])), 5)
+        points.append((nbytes * (n - 1) // n, t))
+    fixed, out["copy_bps"] = _two_point(*points)
+    out["copy_latency_s"] = fixed / max(n - 1, 1)
+    # all-reduce over every device at 4 KiB and 4 MiB per device. Ring model (the one the
+    # step-time model uses): t = 2(n-1) · latency + 2(n-1)/n · bytes / bandwidth.
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older jax
+        from jax.experimental.shard_map import shard_map
+    reduce = jax.jit(shard_map(lambda x: jax.lax.psum(x, "devices"), mesh=mesh,
+                               in_specs=PartitionSpec("devices"), out_specs=PartitionSpec("devices")))  # fmt: skip
+    points = []
+    for nbytes in (4 << 10, 4 << 20):
+        x = jax.device_put(np.ones((n, nbytes // 4), np.float32), split)
+        t = _median_time(lambda: reduce(x).block_until_ready(), 5)
+        points.append((2 * (n - 1) / n * nbytes, t))
+    fixed, out["allreduce_bps"] = _two_point(*points)
+    out["allreduce_latency_s"] = fixed / (2 * (n - 1))
+    return out
+
+
+@functools.cache
+def calibrated(num_devices: int, description: str = "") -> Topology:
+    """``cpu-sim`` for the first `num_devices` simulated CPU devices, measured once per process."""
+    import jax
+
+    from meshpar.plan import capacity
+
+    devices = jax.devices("cpu")[:num_devices]
+    m = measure(devices)
+    ram = capacity.host_memory_bytes() or 0
+    all_devices = tuple(range(num_devices))
+    return Topology(
+        name=CPU_SIM, description=description or "this host's simulated CPU devices, measured",
+        num_devices=num_devices,
+        # Only float32 is measured; other dtypes fall back to it (a bfloat16 [512, 512] matmul
+        # ran within 10% of float32 on a 2-core x86 host: no faster path to model).
+        peak_flops={"float32": m["matmul_flops"]},
+        # The peak is itself a measured matmul rate on this host, not a datasheet figure.
+        efficiency=1.0,
+        memory_bytes=ram // max(num_devices, 1),
+        host_memory_bandwidth=m["memcpy_bps"],
+        # Every simulated device's memory is host memory: placements are copies by the host's
+        # cores, so all devices share one "uplink" (the measured placement bandwidth).
+        host_link=Link(m["put_bps"], m["put_latency_s"], "memcpy"),
+        host_groups=(all_devices,),
+        uplink=Link(m["put_bps"], 0.0, "memcpy"),
+        device_link=Link(m["allreduce_bps"], m["allreduce_latency_s"], "memcpy"),
+        device_memory_bandwidth=m["memcpy_bps"],
+        copy_link=Link(m["copy_bps"], m["copy_latency_s"], "memcpy"),
+        relay_fanout="shared",
+        # What a one-byte placement costs beyond the transfers the model counts for it.
+        placement_overhead=(
+            max(m["direct_fixed_s"] - num_devices * m["put_latency_s"], 0.0),
+            max(m["routed_fixed_s"] - m["put_latency_s"] - (num_devices - 1) * m["copy_latency_s"], 0.0),
+        ),
+        host_aliasing=True,
+        source=(
+            f"measured on this host: memcpy {m['memcpy_bps'] / 1e9:.2f} GB/s, float32 matmul "
+            f"{m['matmul_flops'] / 1e9:.1f} GFLOP/s per device with {num_devices} busy, host→device "
+            f"{m['put_bps'] / 1e9:.2f} GB/s + {m['put_latency_s'] * 1e6:.0f} µs per device, one-byte placement "
+            f"{m['direct_fixed_s'] * 1e6:.0f} µs direct / {m['routed_fixed_s'] * 1e6:.0f} µs routed, device copy "
+            f"{m['copy_bps'] / 1e9:.2f} GB/s + {m['copy_latency_s'] * 1e6:.0f} µs, all-reduce "
+            f"{m['allreduce_bps'] / 1e9:.2f} GB/s + {m['allreduce_latency_s'] * 1e6:.0f} µs per ring step"
+        ),
+    )  # fmt: skip
