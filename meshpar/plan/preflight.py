@@ -22,13 +22,10 @@ refusal on one is a refusal on all.
 
 from __future__ import annotations
 
-import json
-
 import jax
 
 from meshpar import aot, distributed
 from meshpar.config import Config, ConfigError
-from meshpar.errors import DistributedError
 from meshpar.plan import candidates as candidates_lib
 from meshpar.plan import capacity as capacity_lib
 from meshpar.plan import memory
@@ -42,21 +39,8 @@ CATEGORY_KEYS = {"inputs": "train.batch_size", "relay_inputs": "train.batch_size
 
 
 def _agree(name: str, value, combine):
-    """`combine` of every process's `value` (JSON-able), through the coordination service's
-    key-value store; `value` itself in a single-process run."""
-    if jax.process_count() == 1:
-        return value
-    client = distributed._client()  # the store jax.distributed.initialize created (no public API)
-    prefix = f"meshpar/preflight/{name}"
-    try:
-        client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
-        values = [
-            json.loads(client.blocking_key_value_get(f"{prefix}/{k}", AGREE_TIMEOUT_S * 1000))
-            for k in range(jax.process_count())
-        ]
-    except Exception as e:  # noqa: BLE001 — jax's JaxRuntimeError: a peer never posted its figure
-        raise DistributedError(f"the memory pre-flight could not gather every process's {name}: {e}") from None
-    return combine(values)
+    """Every process's pre-flight figure `name`, combined (see :func:`meshpar.distributed.agree`)."""
+    return distributed.agree(f"preflight/{name}", value, combine, AGREE_TIMEOUT_S)
 
 
 def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> capacity_lib.Capacity:
