@@ -142,7 +142,7 @@ def test_fsdp_dims_cover_every_weight_once_along_its_embed_like_dim():
         cfg = config.load(cfg_path, list(overrides))
         from meshpar import aot
 
-        return candidates._params(aot.abstract_step(cfg).plan.abstract.params)
+        return candidates.param_dims(aot.abstract_step(cfg).plan.abstract.params)
 
     quick = params("experiments/quickstart.yaml", "data.max_bytes=100000")
     assert candidates.fsdp_dims(quick, {"batch", "d_ff", "heads", "vocab"}, 4) == ["embed"]

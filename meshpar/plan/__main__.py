@@ -10,7 +10,16 @@ path) adds the predicted step time on that machine, by term, and the batch place
 1 MiB to 1 GiB, placement time and the relay device's extra memory, routed vs direct, for the
 config's mesh and layout on that machine; nothing is compiled.
 
-Exit status: 0 when the plan fits (``--compare-feeding``: always), 1 when it does not; 2 on a
+``--search [--topology NAME] [--top K] [--write PATH]`` searches instead every mesh and layout
+of the machine's devices (``cpu-sim`` when no topology is named) for the fastest one that fits
+(:mod:`meshpar.plan.search`): a ranked table with the predicted step time by term and the
+memory per device, the counts (enumerated, legal, fitting, compiled) and the search's time;
+the best `K` (default 5) by an analytic estimate are compiled and ranked by the HLO-based
+model. ``--write PATH`` writes the best one as an experiment YAML that
+``python -m meshpar.train --config PATH`` runs; ``--json PATH`` writes the search.
+
+Exit status: 0 when the plan fits (``--compare-feeding``: always; ``--search``: when a layout
+fits), 1 when it does not; 2 on a
 config or data mistake (an unknown ``--topology`` included), with one line ``config error:
 <key>: <what is wrong>`` (``data error: ...``) on stderr.
 """
@@ -21,12 +30,14 @@ import argparse
 import importlib.util
 import json
 import pathlib
+import shlex
 import sys
 
 from meshpar import config as config_lib
 from meshpar import errors
 from meshpar.config import ConfigError
 from meshpar.plan import report as report_lib
+from meshpar.plan import search_report
 
 
 def _topology(cfg, name: str):
@@ -74,6 +85,44 @@ def compare_feeding(cfg, topo, png: str | None) -> int:
     return 0
 
 
+def _write(path: str, text: str) -> None:
+    try:
+        pathlib.Path(path).write_text(text)
+    except OSError as e:
+        raise errors.OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+def search(cfg, args, argv: list[str]) -> int:
+    """Search the layouts of `cfg` on the named machine (default cpu-sim); print, and write
+    the best as YAML (``--write``) and the search as JSON (``--json``)."""
+    from rich.console import Console
+
+    from meshpar.plan import search as search_lib
+    from meshpar.plan import topology
+
+    if args.top is not None and args.top < 0:
+        raise ConfigError("--top", f"compiles that many layouts: a count >= 0, got {args.top}")
+    topo = _topology(cfg, args.topology or topology.CPU_SIM)
+    console = Console(width=max(Console().width, 200))
+    with Console(stderr=True).status("searching") as status:
+        result = search_lib.search(cfg, topo, topo.num_devices, search_lib.TOP_K if args.top is None else args.top,
+                                   progress=status.update)  # fmt: skip
+    title = f"layout search: {args.config} on {topo.name} ({topo.description})"
+    console.print(search_report.table(result, title))
+    command = shlex.join(["python", "-m", "meshpar.plan", *argv])
+    if args.write and result.best is not None:
+        _write(args.write, search_report.experiment_yaml(result, args.config, args.overrides, command, args.write))
+    if args.json:
+        _write(args.json, json.dumps(search_lib.to_json(result), indent=2) + "\n")
+    best = result.best
+    if best is None:
+        console.print("no layout fits", markup=False)
+        return 1
+    written = f"; written to {args.write}" if args.write else ""
+    console.print(f"best: {' '.join(best.overrides)}{written}", markup=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.plan", description="Per-device memory plan of a config.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
@@ -81,11 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", metavar="NAME", help="machine to predict time on (e.g. h100-sxm-8, cpu-sim)")
     parser.add_argument("--compare-feeding", action="store_true", help="routed vs direct placement, 1 MiB to 1 GiB")
     parser.add_argument("--png", metavar="PATH", help="with --compare-feeding: also draw it here")
+    parser.add_argument("--search", action="store_true", help="rank every mesh and layout that fits by predicted time")
+    parser.add_argument("--top", type=int, metavar="K", help="with --search: compile the best K estimates (default 5)")
+    parser.add_argument("--write", metavar="PATH", help="with --search: write the best layout as an experiment YAML")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)
     step_time = topo = None
     try:
         cfg = config_lib.load(args.config, args.overrides)
+        if args.search or args.write or args.top is not None:
+            if not args.search:
+                raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")
+            if args.compare_feeding:
+                raise ConfigError("--search", "and --compare-feeding are separate commands: pick one")
+            return search(cfg, args, argv)
         if args.compare_feeding or args.png:
             if not args.compare_feeding:
                 raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")

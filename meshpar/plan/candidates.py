@@ -121,7 +121,7 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
     return out
 
 
-def _params(abstract_params: nnx.State) -> list[tuple[tuple, tuple, int]]:
+def param_dims(abstract_params: nnx.State) -> list[tuple[tuple, tuple, int]]:
     """(dims, shape, bytes) of every parameter that has logical dims."""
     out = []
     for _, var in nnx.to_flat_state(abstract_params):
@@ -159,7 +159,7 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
     """Every candidate change of `cfg` (run on `mesh`), in the order they are tried."""
     shape = dict(mesh.shape)
     batch_axes = _batch_axes(cfg)
-    params = _params(abstract_params)
+    params = param_dims(abstract_params)
     k0 = cfg.train.microbatches
     micro = [None, *(k0 * f for f in FACTORS)]
     remat = [None, *(["full"] if getattr(cfg.model, "remat", "full") != "full" else [])]

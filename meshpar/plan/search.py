@@ -1,0 +1,515 @@
+"""Layout search: every mesh and layout of a config's devices that is legal and fits, ranked by
+predicted step time on a topology.
+
+**Enumerated.** Meshes: every factorisation of the device count into the config's mesh axis
+names, in their order, 1-sized axes included (a config with a single axis gets a ``model``
+axis after it). Layouts on each mesh: ``batch`` onto any subset of the axes (several at once
+as ``batch:(a,b)``, first axis major), the model family's split dims (the dims the config's
+layout maps onto ``model``, else :data:`meshpar.plan.candidates.MODEL_DIMS`) onto the ``model``
+axis or not, and ``param_layout`` FSDP over the batch axes (the embed-like dims, chosen as the
+pre-flight chooses them: :func:`meshpar.plan.candidates.fsdp_dims`) or none. Every other
+dim is replicated; the config's other sections (remat, microbatches, feed, ...) are kept.
+
+**Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
+onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
+``batch:model``, and ``data:2,model:4`` with ``batch:(data,model)``; with nothing split every
+mesh is the same) are one candidate: the config's own where it is one of them, else the one
+with fewer such empty rules and the batch off the ``model`` axis.
+
+**Legal.** The config is built with the choice and planned as a run plans it
+(:func:`meshpar.aot.abstract_step`): the batch must divide over its axes and into its
+microbatches, every parameter's and activation's split dims must divide, and no tensor may
+have two dims on one axis. What fails is dropped, counted by the config key it fails on.
+
+**Fitting.** The analytic memory plan (:func:`meshpar.plan.memory.analytic`) against the
+usable bytes of one device: on ``cpu-sim`` the capacity a run would check
+(:mod:`meshpar.plan.capacity`); on another topology its device memory times XLA's
+preallocated fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default), or
+``hardware.memory_gib`` when smaller; 5% headroom off either.
+
+**Ranked analytically** (nothing compiled), per device, :class:`Estimate`:
+
+* compute — the family's ``flops_per_example`` × the batch, over the devices that split the
+  work (batch ways × model ways: an axis that splits nothing repeats the work), × 4/3 under
+  ``model.remat=full`` (the forward runs twice), at the topology's peak for the compute dtype ×
+  its efficiency;
+* memory — bytes a step moves in device memory: the state read and written by the update
+  (2 × (params + grads + optimizer)) and the saved activations written, read, and their
+  cotangents written and read (4 × activations), from the memory plan, at the device's rate
+  (:func:`meshpar.plan.timing.memory`); added to compute, not overlapped (the model is a
+  ranking, not a roofline);
+* gradients — each parameter's gradient all-reduced over the batch axes it is not split on
+  (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
+  reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
+  and axis (XLA combines the small ones);
+* activations — with the model dims split n ways, all-reduces of a layer's output over the
+  ``model`` axis (Megatron): for the Transformer 4 per layer (attention and MLP outputs
+  forward, their inputs' gradients backward; 2 more per layer under remat) and 1 for the
+  vocab-split output; for the MLP 1 after each split hidden layer; ``[rows per device, ...,
+  width]`` in the compute dtype;
+* feed — the batch's placement time (:mod:`meshpar.plan.feed_time`), only the part longer
+  than compute when ``feed.prefetch`` ≥ 1.
+
+**Then compiled**: the top K by that estimate are compiled ahead of time (nothing allocated)
+and ranked by the HLO-based model (:func:`meshpar.plan.timing.predict`), their XLA memory
+checked against the capacity too. The ranking: compiled and fitting first, by the HLO model;
+then the other fitting ones, by the estimate. Predictions within :data:`TIE` of the fastest
+are a tie: the model does not tell them apart (measured step times of the top layouts differ
+by a few percent and swap places from run to run on a shared host), and among them the one
+that moves the fewest collective bytes leads — the term the model is least sure of, and the
+one that grows first on a bigger machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import shlex
+import time
+
+import jax
+from flax import nnx
+
+from input_pipeline.errors import DataError
+from meshpar import aot, compile_cache, throughput, trainer
+from meshpar import config as config_lib
+from meshpar import layout as layout_lib
+from meshpar import mesh as mesh_lib
+from meshpar.config import Config, ConfigError
+from meshpar.models import MODELS
+from meshpar.plan import candidates, feed_time, memory, timing
+from meshpar.plan import capacity as capacity_lib
+
+MODEL_AXIS = candidates.MODEL_AXIS
+TOP_K = 5
+TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
+GPU_MEM_FRACTION = 0.75  # XLA's preallocated share of a GPU when XLA_PYTHON_CLIENT_MEM_FRACTION is unset
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One point of the search space: a mesh and how the dims map onto it."""
+
+    mesh: tuple[tuple[str, int], ...]
+    batch: tuple[str, ...]  # mesh axes the batch is split over, first major
+    model: bool  # the model dims on the model axis
+    fsdp: bool  # parameters and optimizer state also split over the batch axes
+    added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def mesh_str(self) -> str:
+        return ",".join(f"{a}:{n}" for a, n in self.mesh if not (a == self.added and n == 1))
+
+    def key(self) -> tuple:
+        """What it places where, up to axis names: the axes of more than one device in mesh
+        order, each by its size, its place in the batch's axes (-1: none) and whether it
+        carries the model dims; neighbours that act as one axis (consecutive batch axes, or
+        two idle ones) merged, as the devices are the same row-major either way."""
+        sizes = self.sizes
+        batch = [a for a in self.batch if sizes[a] > 1]
+        merged: list[list] = []
+        for a, n in self.mesh:
+            if n == 1:
+                continue
+            role = [n, batch.index(a) if a in batch else -1, self.model and a == MODEL_AXIS]
+            last = merged[-1] if merged else None
+            if last and not last[2] and not role[2] and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
+                last[0], last[1] = last[0] * n, role[1]
+            else:
+                merged.append(role)
+        order = sorted(b for _, b, _ in merged if b >= 0)
+        roles = tuple((n, order.index(b) if b >= 0 else -1, m) for n, b, m in merged)
+        return roles, self.fsdp and len(batch) > 0
+
+    def oddness(self) -> tuple[int, int]:
+        """Rules that split nothing, and the batch on the model axis: the fewer, the plainer."""
+        sizes = self.sizes
+        ways = math.prod(sizes[a] for a in self.batch)
+        empty = sum(sizes[a] == 1 for a in self.batch) + (self.model and sizes.get(MODEL_AXIS, 1) == 1)
+        return empty + (self.fsdp and ways == 1), MODEL_AXIS in self.batch
+
+
+def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every ordered `k`-tuple of positive integers whose product is `n`."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
+
+
+def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
+    """Every (mesh, batch axes, model split, FSDP) choice over `num_devices`, duplicates included."""
+    names = [a for a, _ in cfg.mesh]
+    added = None
+    if len(names) == 1 and names[0] != MODEL_AXIS:
+        added = MODEL_AXIS
+        names.append(MODEL_AXIS)
+    out = []
+    for shape in factorisations(num_devices, len(names)):
+        mesh = tuple(zip(names, shape))
+        subsets = [s for r in range(len(names) + 1) for s in itertools.combinations(names, r)]
+        models = (False, True) if MODEL_AXIS in names else (False,)
+        for batch, model, fsdp in itertools.product(subsets, models, (False, True)):
+            out.append(Option(mesh, batch, model, fsdp, added))
+    return out
+
+
+def model_dims(cfg: Config) -> tuple[str, ...]:
+    """The dims a model split puts on the model axis: the config's own, else the family's."""
+    own = tuple(d for d, a in cfg.layout if d != "batch" and MODEL_AXIS in (a if isinstance(a, tuple) else (a,)))
+    return own or candidates.MODEL_DIMS.get(cfg.model.name, ())
+
+
+def rules(option: Option, dims: tuple[str, ...], params: list) -> tuple[str, str]:
+    """The option's (layout, param_layout) rule texts; raises ConfigError when FSDP has no dim to split."""
+    batch = option.batch[0] if len(option.batch) == 1 else option.batch
+    layout = (("batch", batch),) if option.batch else ()
+    layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
+    param_layout = ()
+    if option.fsdp:
+        ways = math.prod(option.sizes[a] for a in option.batch)
+        split = candidates.fsdp_dims(params, {d for d, _ in layout}, ways) if ways > 1 else []
+        if not split:
+            raise ConfigError("param_layout", "no parameter dim splits over the batch axes")
+        param_layout = tuple((d, batch) for d in split)
+    return layout_lib.format_rules(layout), layout_lib.format_rules(param_layout)
+
+
+def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str) -> Config:
+    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is)."""
+    raw = config_lib.to_dict(cfg)
+    raw.update(mesh=mesh, layout=layout, param_layout=param_layout)
+    return config_lib.from_dict(raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The analytic step time per device, by term (see the module docstring)."""
+
+    flops: float
+    compute_s: float
+    memory_s: float
+    gradient_s: float
+    activation_s: float
+    feed_s: float
+    exposed_feed_s: float
+
+    @property
+    def collective_s(self) -> float:
+        return self.gradient_s + self.activation_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s
+
+
+def _ring_seconds(kind: str, nbytes: float, n: int, link) -> float:
+    factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+    steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+    return nbytes * factor / link.bandwidth + link.latency * steps
+
+
+def _slowest_link(topo, sizes: dict[str, int], axes: tuple[str, ...]):
+    links = [topo.axis_link(sizes, a) for a in axes]
+    return min(links, key=lambda link: (link.bandwidth, -link.latency))
+
+
+def _axes_of(spec) -> set[str]:
+    return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def gradient_traffic(step: aot.AbstractStep, batch_axes: tuple[str, ...], compute_itemsize: int) -> dict:
+    """(kind, axes) → bytes per device of the gradient sync: all-reduce over the batch axes a
+    parameter is not split on; under FSDP two all-gathers (compute dtype) and a reduce-scatter."""
+    sizes = dict(step.mesh.shape)
+    batch = [a for a in batch_axes if sizes[a] > 1]
+    params = jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for var, own in zip(params, jax.tree.leaves(step.plan.shardings.params)):
+        a = var.get_value()
+        dims = var.get_metadata().get("dims") or (None,) * a.ndim
+        act = step.layout.sharding(step.mesh, dims)
+        elements = math.prod(act.shard_shape(a.shape))
+        act_axes, own_axes = _axes_of(act.spec), _axes_of(own.spec)
+        gathered = tuple(x for x in step.mesh.axis_names if x in own_axes - act_axes and sizes[x] > 1)
+        if gathered:
+            out[("all-gather", gathered)] = out.get(("all-gather", gathered), 0) + 2 * elements * compute_itemsize
+            out[("reduce-scatter", gathered)] = out.get(("reduce-scatter", gathered), 0) + elements * a.dtype.itemsize
+        summed = tuple(x for x in batch if x not in act_axes and x not in gathered)
+        if summed:
+            share = elements // math.prod(sizes[x] for x in gathered) * a.dtype.itemsize
+            out[("all-reduce", summed)] = out.get(("all-reduce", summed), 0) + share
+    return out
+
+
+def _transformer_all_reduces(model, spec: dict, rows: int) -> tuple[int, int]:
+    from meshpar.models import transformer
+
+    per_layer = 4 + (2 if model.remat == "full" else 0)
+    return per_layer * model.n_layers + 1, rows * transformer.window_length(spec) * model.d_model
+
+
+def _mlp_all_reduces(model, spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
+    from meshpar.models import mlp
+
+    shape, _ = spec["inputs"]
+    widths = [math.prod(shape), *model.hidden, model.num_classes]
+    split = [i for i in range(len(model.hidden)) if mlp.hidden_dim(i) in dims]
+    return len(split), rows * max((widths[i + 2] for i in split), default=0)
+
+
+def activation_traffic(cfg: Config, spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(count, elements each) of the all-reduces over the model axis a model split adds per
+    step, for `rows` batch rows per device (0, 0 for a family without a rule here)."""
+    if cfg.model.name == "transformer":
+        return _transformer_all_reduces(cfg.model, spec, rows)
+    if cfg.model.name == "mlp":
+        return _mlp_all_reduces(cfg.model, spec, rows, dims)
+    return 0, 0
+
+
+def estimate(cfg: Config, option: Option, step: aot.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
+    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
+    sizes = option.sizes
+    spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
+    batch_ways = math.prod(sizes[a] for a in option.batch)
+    model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
+    dtype = throughput.compute_dtype(cfg.model)
+    flops = MODELS[cfg.model.name].flops_per_example(cfg.model, spec) * cfg.train.batch_size / (batch_ways * model_ways)
+    flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
+    compute_s = flops / (topo.peak(dtype) * topo.efficiency)
+    c = breakdown.categories
+    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"]
+    memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    gradient_s = sum(
+        _ring_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), _slowest_link(topo, sizes, axes))
+        for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
+    )
+    activation_s = 0.0
+    if model_ways > 1:
+        count, elements = activation_traffic(cfg, spec, cfg.train.batch_size // batch_ways, dims)
+        link = topo.axis_link(sizes, MODEL_AXIS)
+        activation_s = count * _ring_seconds("all-reduce", elements * itemsize, model_ways, link) if count else 0.0
+    split, mode = feed_time.config_split(cfg, topo), cfg.feed.mode
+    feed_s = feed_time.placement_time(
+        topo, mode, split.batch_bytes, split.num_devices, split.shards, split.fields, split.aliased(mode)
+    )
+    exposed = max(0.0, feed_s - compute_s - memory_s) if cfg.feed.prefetch >= 1 else feed_s
+    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """A legal candidate: its config, its plan, memory and time."""
+
+    option: Option
+    cfg: Config
+    step: aot.AbstractStep = dataclasses.field(repr=False)
+    memory_bytes: int  # analytic total per device
+    estimate: Estimate
+    fits: bool
+    own: bool = False  # the config's own mesh and layout
+    predicted: timing.StepTime | None = None  # the HLO-based model, when compiled
+    xla_bytes: int | None = None  # XLA's total for the compiled train step
+    compile_s: float = 0.0
+    compiled: object = dataclasses.field(default=None, repr=False)  # the train step, when compiled
+    replaces_param_layout: bool = False  # the config has a param_layout of its own
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step time: the HLO model's where compiled, else the estimate."""
+        return self.predicted.total_s if self.predicted is not None else self.estimate.total_s
+
+    @property
+    def overrides(self) -> list[str]:
+        """The choice as shell-quoted ``key=value`` arguments of ``python -m meshpar.train``."""
+        pairs = [("mesh", self.cfg.mesh_str), ("layout", self.cfg.layout_str)]
+        if self.cfg.param_layout or self.replaces_param_layout:
+            pairs.append(("param_layout", layout_lib.format_rules(self.cfg.param_layout)))
+        return [shlex.quote(f"{k}={v or '{}'}") for k, v in pairs]
+
+
+@dataclasses.dataclass
+class Result:
+    """The search's outcome: the ranked rows (fitting ones first) and its counts."""
+
+    rows: list[Row]
+    topology: object
+    capacity: capacity_lib.Capacity
+    num_devices: int
+    enumerated: int
+    duplicates: int
+    illegal: dict[str, int]  # by the config key it fails on
+    compiled: int
+    seconds: float
+
+    @property
+    def legal(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fitting(self) -> int:
+        return sum(r.fits for r in self.rows)
+
+    @property
+    def best(self) -> Row | None:
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+
+def capacity(cfg: Config, topo, mesh: jax.sharding.Mesh) -> capacity_lib.Capacity:
+    """Usable memory per device on `topo` (see the module docstring)."""
+    if topo.device_link.kind == "memcpy":  # this host's simulated devices: what a run would check
+        return capacity_lib.device_capacity(cfg, mesh)
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+    stats = [{"bytes_limit": int(topo.memory_bytes * fraction)}] * topo.num_devices
+    return capacity_lib.capacity_from(stats, cfg.hardware.memory_gib, topo.name, None)
+
+
+def rank_compiled(rows: list[Row]) -> list[Row]:
+    """Compiled rows by predicted step time; those within TIE of the fastest by collective bytes."""
+    rows = sorted(rows, key=lambda r: r.step_s)
+    if not rows:
+        return rows
+    tied = [r for r in rows if r.step_s <= rows[0].step_s * (1 + TIE)]
+    tied.sort(key=lambda r: (sum(c.bytes for c in r.predicted.collectives), r.step_s))
+    return tied + rows[len(tied) :]
+
+
+def _same_rules(a, b) -> bool:
+    return set(layout_lib.parse_rules(a)) == set(layout_lib.parse_rules(b))
+
+
+def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) -> bool:
+    mesh = {a: n for a, n in option.mesh if not (a == option.added and n == 1)}
+    return mesh == own_mesh and _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
+
+
+def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
+    """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
+    the `top` best estimates and rank (see the module docstring). `progress(text)`: called as
+    it goes."""
+    started = time.perf_counter()
+    say = progress or (lambda text: None)
+    try:
+        mesh_lib.request_cpu_devices(num_devices)
+    except RuntimeError:
+        pass  # the backend is up already; build_mesh names a shortfall
+    compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compiles are cached
+    spec = feed_time.element_spec(cfg)
+    family = MODELS[cfg.model.name]
+    _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
+    params = candidates.param_dims(abstract_params)
+    dims = model_dims(cfg)
+    options = enumerate_options(cfg, num_devices)
+    try:
+        own_mesh = dict(mesh_lib.resolve(cfg.mesh, num_devices))
+    except mesh_lib.MeshError:
+        own_mesh = {}
+    batch_rule = dict(cfg.layout).get("batch")
+    own_choice = (
+        own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
+        any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
+    )  # fmt: skip
+
+    def preference(option: Option) -> tuple:  # the config's own first, then the plainest
+        mesh = {a: n for a, n in option.mesh if a != option.added or n > 1}
+        return ((mesh, option.batch, option.model, option.fsdp) != own_choice, *option.oddness())
+
+    kept: dict[tuple, Option] = {}
+    for option in options:  # one of each group of duplicates
+        key = option.key()
+        if key not in kept or preference(option) < preference(kept[key]):
+            kept[key] = option
+    distinct = [o for o in options if kept[o.key()] is o]
+    meshes: dict[str, jax.sharding.Mesh] = {}
+    illegal: dict[str, int] = {}
+    rows: list[Row] = []
+    cap = None
+    for i, option in enumerate(distinct):
+        say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
+        try:
+            layout, param_layout = rules(option, dims, params)
+            new = with_layout(cfg, option.mesh_str, layout, param_layout)
+            mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
+            step = aot.abstract_step(new, mesh, spec)
+            breakdown = memory.analytic(new, step)
+        except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
+            key = getattr(e, "key", None) or ("layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__)
+            illegal[key] = illegal.get(key, 0) + 1
+            continue
+        cap = cap or capacity(cfg, topo, mesh)
+        fits = breakdown.total <= cap.usable_bytes
+        est = estimate(new, option, step, breakdown, topo, dims)
+        own = _is_own(cfg, option, new, own_mesh)
+        row = Row(option, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout))
+        rows.append(row)
+    if cap is None:  # nothing legal: the capacity of these devices, for the report
+        cap = capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
+    for i, row in enumerate(fitting[:top]):
+        say(f"compiling {i + 1}/{min(top, len(fitting))}: {row.cfg.mesh_str} {row.cfg.layout_str}")
+        t = time.perf_counter()
+        row.compiled = row.step.lower().compile()
+        row.compile_s = time.perf_counter() - t
+        row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
+        row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
+        row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
+    compiled = fitting[:top]
+    ranked = rank_compiled([r for r in compiled if r.fits]) + fitting[top:]
+    ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
+    return Result(
+        ranked, topo, cap, num_devices, len(options), len(options) - len(distinct), illegal, len(compiled),
+        time.perf_counter() - started,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def summary(result: Result) -> str:
+    """The counts and the time the search took, in one line."""
+    from meshpar.plan.report import fmt_bytes
+
+    why = ", ".join(f"{k} {n}" for k, n in sorted(result.illegal.items()))
+    illegal = sum(result.illegal.values())
+    return (
+        f"{result.enumerated} enumerated on {result.num_devices} devices ({result.duplicates} duplicates of another), "
+        f"{illegal} illegal{f' ({why})' if why else ''}, {result.legal} legal, {result.fitting} fit in "
+        f"{fmt_bytes(result.capacity.usable_bytes)} usable ({result.capacity.source}), {result.compiled} compiled; "
+        f"search took {result.seconds:.1f} s"
+    )
+
+
+def to_json(result: Result) -> dict:
+    """The search as plain JSON data: counts, capacity and every legal row in ranked order."""
+    rows = []
+    for r in result.rows:
+        rows.append({
+            "mesh": r.cfg.mesh_str, "layout": r.cfg.layout_str,
+            "param_layout": layout_lib.format_rules(r.cfg.param_layout), "own": r.own, "fits": r.fits,
+            "step_s": r.step_s, "memory_bytes": r.memory_bytes, "xla_bytes": r.xla_bytes,
+            "estimate": {**dataclasses.asdict(r.estimate), "total_s": r.estimate.total_s},
+            "predicted": r.predicted and timing.to_json(r.predicted), "compile_s": r.compile_s,
+        })  # fmt: skip
+    return {
+        "topology": result.topology.name, "num_devices": result.num_devices, "enumerated": result.enumerated,
+        "duplicates": result.duplicates, "illegal": result.illegal, "legal": result.legal, "fitting": result.fitting,
+        "compiled": result.compiled, "seconds": result.seconds, "usable_bytes": result.capacity.usable_bytes,
+        "capacity_source": result.capacity.source, "rows": rows,
+    }  # fmt: skip

@@ -1,0 +1,102 @@
+"""The layout search (meshpar.plan.search): what it enumerates, drops and writes."""
+
+import pytest
+import yaml
+
+from meshpar import config as config_lib
+from meshpar import experiment
+from meshpar.plan import __main__ as plan_cli
+from meshpar.plan import search as search_lib
+from meshpar.plan import search_report
+from meshpar.plan import topology
+
+# Batch 6 and hidden 6 do not divide 4 ways, only 2: the traps the legality checks must catch.
+SMALL = {
+    "mesh": "data:4",
+    "layout": "",  # replicated: the batch of 6 does not divide 4 ways
+    "model": {"name": "mlp", "hidden": [6]},
+    "data": {"num_examples": 64, "num_eval_examples": 0, "num_features": 16, "num_classes": 10},
+    "train": {"steps": 2, "batch_size": 6, "progress": False},
+}
+
+
+def _cfg(raw=SMALL, **sections):
+    return config_lib.from_dict({**raw, **sections})
+
+
+@pytest.fixture(scope="module")
+def small():
+    # A shipped 4-device machine: no calibration, and the search compiles nothing here.
+    return search_lib.search(_cfg(), topology.load("rtx4090-x4"), 4, top=0)
+
+
+def test_four_devices_give_48_choices_17_distinct_8_legal(small):
+    # data:4 → (data, model) meshes 1×4, 2×2, 4×1; batch on {}, data, model or both; hidden on
+    # model or not; FSDP or not: 3 × 4 × 2 × 2 = 48. Distinct up to axis names, 1-sized axes and
+    # axes that act as one: nothing split (1); one 4-way axis with the batch (±FSDP), with
+    # hidden, with both (±FSDP) (5); on 2×2, hidden alone (1), the batch on data or on model,
+    # with hidden or not, ±FSDP (8), the batch on both with hidden (2); the batch on both
+    # without hidden is the 4-way batch.
+    assert small.enumerated == 48 and small.duplicates == 31
+    assert small.legal + sum(small.illegal.values()) == 17
+    assert small.legal == 8
+    chosen = {(r.cfg.mesh_str, r.cfg.layout_str, r.cfg.param_layout) for r in small.rows}
+    assert len(chosen) == 8  # no two rows alike
+    # The one fully replicated choice, on the config's own mesh of all the meshes it could be.
+    assert [(r.cfg.mesh_str, r.cfg.layout_str) for r in small.rows if r.own] == [("data:4", "")]
+    assert ("data:2,model:2", "batch:data; hidden:model", ()) in chosen
+
+
+def test_choices_that_do_not_divide_are_dropped_by_the_key_they_fail(small):
+    assert small.illegal.get("train.batch_size", 0) == 6  # every 4-way batch split of 6 rows
+    # hidden 6 on 4 devices; the batch and hidden on one axis (with and without FSDP)
+    assert sum(small.illegal.values()) - small.illegal["train.batch_size"] == 3
+    for row in small.rows:
+        sizes = dict(row.cfg.mesh)
+        ways = {sizes[a] for _, axes in row.cfg.layout for a in ((axes,) if isinstance(axes, str) else axes)}
+        assert ways <= {2}, row.cfg.layout_str
+        assert row.fits and row.predicted is None  # top=0: nothing compiled
+
+
+def test_layouts_over_the_memory_cap_are_kept_out_of_the_ranking():
+    # 1024 × 1024 float32 weights: 4 MiB, 16 MiB with gradients and Adam's moments, replicated.
+    big = {**SMALL, "model": {"name": "mlp", "hidden": [1024]}, "train": {**SMALL["train"], "batch_size": 8}}
+    cfg = _cfg(big, data={**SMALL["data"], "num_features": 1024}, hardware={"memory_gib": 0.01})
+    result = search_lib.search(cfg, topology.load("rtx4090-x4"), 4, top=0)
+    usable = result.capacity.usable_bytes
+    assert result.capacity.source == "hardware.memory_gib=0.01"
+    fitting = [r for r in result.rows if r.fits]
+    assert fitting and result.fitting < result.legal
+    assert all(r.memory_bytes <= usable for r in fitting)
+    assert all(r.memory_bytes > usable for r in result.rows if not r.fits)
+    assert result.rows[: len(fitting)] == fitting  # the ranking holds the fitting ones only, first
+    by_choice = {(r.cfg.mesh_str, r.cfg.layout_str, r.cfg.param_layout): r for r in result.rows}
+    assert not by_choice[("data:4", "batch:data", ())].fits  # pure data parallel: every weight whole
+    assert result.best.cfg.param_layout or "hidden:model" in result.best.cfg.layout_str
+
+
+def test_the_written_choice_loads_and_builds_with_the_memory_preflight(tmp_path):
+    cfg = _cfg(train={**SMALL["train"], "batch_size": 8})
+    result = search_lib.search(cfg, topology.load("rtx4090-x4"), 4, top=1)
+    assert result.compiled == 1 and result.best.predicted is not None
+    src = tmp_path / "small.yaml"
+    src.write_text(yaml.safe_dump(SMALL))
+    out = tmp_path / "chosen.yaml"
+    command = "python -m meshpar.plan --search ..."
+    out.write_text(search_report.experiment_yaml(result, str(src), ["train.batch_size=8"], command, str(out)))
+    text = out.read_text()
+    assert text.startswith(f"# python -m meshpar.train --config {out}\n")
+    loaded = config_lib.load(out, [f"workdir={tmp_path / 'run'}"])
+    best = result.best.cfg
+    assert (loaded.mesh, loaded.layout, loaded.param_layout) == (best.mesh, best.layout, best.param_layout)
+    assert loaded.train.batch_size == 8 and loaded.plan.check
+    exp = experiment.build(loaded)  # the pre-flight compiles the step and checks its memory
+    assert dict(exp.mesh.shape) == dict(best.mesh) and str(exp.layout) == best.layout_str
+
+
+def test_write_without_search_is_one_config_error(tmp_path, capsys):
+    src = tmp_path / "small.yaml"
+    src.write_text(yaml.safe_dump(SMALL))
+    assert plan_cli.main(["--config", str(src), "--write", str(tmp_path / "x.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == "config error: --write: goes with --search: add --search"
+    assert not (tmp_path / "x.yaml").exists()
