@@ -271,7 +271,13 @@ class Checkpointer:
         try:
             self.wait()
         except CheckpointError as e:
+            # The save cannot finish now (Python 3.12: no thread starts once shutdown has
+            # begun), and orbax's own threads would wait for its signals without end, holding
+            # the exit: say so in one line and leave at once, with a failure status.
             print(f"checkpoint error: {e}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def steps(self) -> list[int]:
         """Committed steps, from disk: orbax's in-memory list includes a save still being written."""

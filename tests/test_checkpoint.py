@@ -407,7 +407,9 @@ def test_killed_mid_save_leaves_nothing_restorable_and_exit_finishes_or_reports_
     kill.send_signal(signal.SIGKILL)
     assert kill.wait(timeout=60) == -signal.SIGKILL
     _, exit_err = procs["exit"].communicate(timeout=60)
-    assert procs["exit"].returncode == 0, exit_err
+    # Python 3.11: the exit hook finishes the save (status 0); 3.12: it cannot, reports it in one
+    # line and leaves with status 1 (orbax's threads would otherwise hold the exit for good).
+    assert procs["exit"].returncode == (0 if sys.version_info < (3, 12) else 1), exit_err
 
     left = sorted(p.name for p in (tmp_path / "kill").iterdir())
     assert "2" not in left and any(name.startswith("2.orbax-checkpoint-tmp") for name in left), left
