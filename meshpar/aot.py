@@ -100,6 +100,14 @@ def step_memory(cfg: Config) -> dict[str, int]:
     return memory(compile_train_step(cfg))
 
 
+def shard_bytes(abstract, shardings=None) -> int:
+    """Bytes one device holds of every leaf of `abstract`, each by its sharding's shard shape
+    (`shardings`: a matching tree; default each leaf's own ``.sharding``)."""
+    leaves = jax.tree.leaves(abstract)
+    shards = jax.tree.leaves(shardings) if shardings is not None else [a.sharding for a in leaves]
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(leaves, shards))
+
+
 def state_bytes(plan: trainer.StatePlan) -> dict[str, dict]:
     """Every train-state array by path (``params/blocks/w_in``, ``opt_state/1/0/mu/...``):
     shape, dtype, total bytes and bytes per device, the latter from its sharding's shard shape

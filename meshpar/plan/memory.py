@@ -138,14 +138,6 @@ class Residual:
         return self.nbytes * self.copies
 
 
-def _shard_bytes(abstract, shardings) -> int:
-    """Bytes one device holds of every leaf of `abstract`, each by its sharding's shard shape."""
-    total = 0
-    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        total += math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-    return total
-
-
 def _nbytes(aval) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize
 
@@ -434,14 +426,14 @@ def analytic(cfg: Config, step: aot.AbstractStep | None = None) -> Breakdown:
     """The config's per-device memory by category (nothing allocated, nothing compiled)."""
     step = step or aot.abstract_step(cfg)
     plan, (_, batch, _) = step.plan, step.args
-    params = _shard_bytes(plan.abstract.params, plan.shardings.params)
+    params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
     running_sum = 0
     if cfg.train.microbatches > 1:  # the float32 running sum, in the parameters' shardings
         f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), plan.abstract.params)
-        running_sum = _shard_bytes(f32, plan.shardings.params)
+        running_sum = aot.shard_bytes(f32, plan.shardings.params)
     grads = params + running_sum
     rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
-    optimizer = _shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
+    optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
     kept = saved_activations(cfg, step)
     activations = sum(r.total for r in kept)
     transient = max((r.nbytes for r in kept), default=0)  # the largest residual's cotangent
@@ -450,7 +442,7 @@ def analytic(cfg: Config, step: aot.AbstractStep | None = None) -> Breakdown:
         transient += max(_loop_iteration(saved_activations(cfg, step, "none")) - _loop_iteration(kept), 0)
     backward = activations + grads + transient
     update = _update_phase(cfg, step) + running_sum
-    one_batch = _shard_bytes(batch, {k: b.sharding for k, b in batch.items()})
+    one_batch = aot.shard_bytes(batch)
     lagged = 0 if cfg.train.sync_every_step else 1
     categories = {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,

@@ -45,11 +45,6 @@ class Peak:
         return self.xla["total_bytes"] + sum(self.resident.values())
 
 
-def _per_device(tree) -> int:
-    """Bytes one device holds of every leaf of `tree` (ShapeDtypeStructs with shardings)."""
-    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
-
-
 def relay_bytes(cfg: Config, batch: dict) -> int:
     """Routed feeding: the relay device's copy of the whole process batch and the other slices
     cut from it while it places them (:func:`meshpar.plan.feed_time.relay_bytes`); 0 in direct
@@ -75,7 +70,7 @@ def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> li
     `train`; the others compiled here on abstract arguments, nothing allocated), each with its
     compiled program, which a run calls instead of compiling it again."""
     state, batch, _ = step.args
-    one_batch = _per_device(batch)
+    one_batch = aot.shard_bytes(batch)
     prefetched = {"prefetched batches": one_batch * cfg.feed.prefetch} if cfg.feed.prefetch else {}
     relay = {"relay copy of the process batch": relay_bytes(cfg, batch)} if cfg.feed.mode == "routed" else {}
     in_flight = {} if cfg.train.sync_every_step else {"batch of the step in flight": one_batch}
@@ -85,7 +80,7 @@ def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> li
         plan = step.plan
         evaluate = trainer.make_eval_step(plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings)
         compiled = evaluate.lower(state.params, batch).compile()
-        rest = _per_device(state) - _per_device(state.params)
+        rest = aot.shard_bytes(state) - aot.shard_bytes(state.params)
         resident = {"optimizer state, step, rng": rest, **prefetched, **relay}
         out.append(Peak("eval step", aot.memory(compiled), resident, compiled))
     if saves(cfg):
