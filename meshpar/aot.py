@@ -14,7 +14,7 @@ import math
 
 import jax
 
-from meshpar import compile_cache, experiment, resume, stop, trainer
+from meshpar import compile_cache, experiment, offload, resume, stop, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
@@ -22,6 +22,8 @@ from meshpar.config import Config, ConfigError
 
 # compiled.memory_analysis() fields reported per device, in bytes.
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+# The memory kind of host offload: arrays in the host's pinned memory.
+HOST_KIND = offload.HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ def abstract_step(cfg: Config, mesh: jax.sharding.Mesh | None = None, element_sp
     batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
     tx, plan = experiment.plan_model(cfg, mesh, layout, spec, resume.horizon(cfg))
     step = trainer.make_train_step(
-        plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches
+        plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches, cfg.offload.activations
     )
     return from_parts(cfg, mesh, layout, plan, step, batch_shardings, spec)
 
@@ -85,12 +87,51 @@ def compile_train_step(cfg: Config) -> jax.stages.Compiled:
     return abstract_step(cfg).lower().compile()
 
 
-def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """Per-device bytes of a compiled program: ``<field>_bytes`` for each of MEMORY_FIELDS, and
-    ``total_bytes`` = argument + output + temp − alias (what the program holds at its peak)."""
+def _host_bytes(compiled: jax.stages.Compiled) -> tuple[int, int, int]:
+    """Per-device bytes of the program's ``pinned_host`` arguments, outputs, and donated
+    arguments among them, from their shardings (:func:`shard_bytes`)."""
+    args = jax.tree.leaves(compiled.args_info)
+    arg_shardings = jax.tree.leaves(compiled.input_shardings[0])
+    outs = jax.tree.leaves(getattr(compiled, "out_info", ()))
+    arg, donated, out = 0, 0, 0
+    for info, s in zip(args, arg_shardings):
+        if getattr(s, "memory_kind", None) == HOST_KIND:
+            aval = getattr(info, "aval", None) or info._aval  # ArgInfo keeps it private in jax 0.10
+            n = shard_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype), [s])
+            arg += n
+            donated += n if info.donated else 0
+    for o in outs:
+        if getattr(o.sharding, "memory_kind", None) == HOST_KIND:
+            out += shard_bytes(o)
+    return arg, out, min(donated, out)
+
+
+def memory(compiled: jax.stages.Compiled) -> dict:
+    """Per-device bytes of a compiled program in device memory: ``<field>_bytes`` for each of
+    MEMORY_FIELDS, and ``total_bytes`` = argument + output + temp − alias (what the program
+    holds at its peak); ``host_<field>_bytes`` for its ``pinned_host`` arguments, outputs and
+    aliases, and ``host_from``: where those came from.
+
+    XLA reports host-memory buffers in its ``host_*`` fields where the backend honours memory
+    kinds (GPU, TPU): ``host_from`` is ``"xla"`` then. The CPU backend ignores memory kinds
+    inside a computation and counts ``pinned_host`` arguments and outputs as ordinary ones,
+    with every ``host_*`` field 0: their bytes are computed from the shardings instead and
+    taken out of argument, output and alias (``host_from`` = ``"shardings"``)."""
     stats = compiled.memory_analysis()
     stats = stats[0] if isinstance(stats, (list, tuple)) else stats
     out = {f"{f}_bytes": int(getattr(stats, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
+    host = {f: int(getattr(stats, f"host_{f}_size_in_bytes", 0) or 0) for f in ("argument", "output", "alias", "temp")}
+    out["host_from"] = "xla"
+    if not any(host.values()):
+        arg, res, alias = _host_bytes(compiled)
+        if arg or res:
+            host.update(argument=arg, output=res, alias=alias)
+            out["argument_bytes"] -= arg
+            out["output_bytes"] -= res
+            out["alias_bytes"] -= alias
+            out["host_from"] = "shardings"
+    out.update({f"host_{f}_bytes": n for f, n in host.items()})
+    out["host_total_bytes"] = host["argument"] + host["output"] + host["temp"] - host["alias"]
     out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
     return out
 

@@ -185,6 +185,28 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    # Out-of-core training through JAX memory kinds (meshpar.offload): what lives in the
+    # host's pinned memory instead of on the devices. Offload changes where bytes live, never
+    # the arithmetic: losses are bit-identical with it on or off (activations: see below).
+    # The optimizer state lives in pinned host memory between steps; the step brings it to
+    # the devices for the update and writes it back (the state is donated, as always).
+    optimizer: bool = False
+    # The parameters too: each scanned layer's weights are brought to the devices inside the
+    # layer loop, and every parameter once more for the update (see meshpar.offload).
+    params: bool = False
+    # Residuals the backward pass reads, saved in host memory instead of on the devices:
+    # none; layer_outputs = each layer's input and its residual stream after attention
+    # (layer_in, attn_residual); dots = every named matmul output the layer keeps (query,
+    # key, value, context, attn_out, mlp_hidden, plus layer_in and attn_residual). Needs the
+    # layer loop (model.scan_layers, a loop left by scan_unroll), like remat, and takes
+    # model.remat's place (model.remat must be none); the mlp has no layer loop. Compare it
+    # with the same names saved on the devices (scripts/bench_offload.py), not with none: a
+    # remat policy changes the compiled program, so the losses differ from none's by rounding.
+    activations: Literal["none", "layer_outputs", "dots"] = "none"
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileCacheConfig:
     # JAX's persistent compilation cache: compiled programs are kept in this folder and reused
     # by the next start of the same program ("~" is the home folder; "" = no cache). The
@@ -215,6 +237,7 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     hardware: HardwareConfig = HardwareConfig()
     plan: PlanConfig = PlanConfig()
+    offload: OffloadConfig = OffloadConfig()
     compile_cache: CompileCacheConfig = CompileCacheConfig()
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
@@ -352,10 +375,34 @@ def check(cfg: Config) -> None:
     max_length = getattr(cfg.model, "max_length", None)
     if cfg.data.source in ("text", "tfds_text") and max_length is not None and cfg.data.length > max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
+    _check_offload(cfg)
     block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
     if cfg.data.source in ("text", "tfds_text") and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
         raise ConfigError(
             "model.attention_block", f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)"
+        )
+
+
+def _check_offload(cfg: Config) -> None:
+    """Activation offload is a remat policy applied inside the layer loop: it needs that loop and
+    takes model.remat's place."""
+    setting = cfg.offload.activations
+    if setting == "none":
+        return
+    key, model = "offload.activations", cfg.model
+    if not hasattr(model, "scan_layers"):
+        raise ConfigError(key, f"{setting} needs a layer loop, and model {model.name} has none (use none)")
+    if model.remat != "none":
+        raise ConfigError(
+            key, f"{setting} replaces model.remat's policy, so model.remat must be none (it is {model.remat})"
+        )
+    if not model.scan_layers:
+        raise ConfigError(key, f"{setting} needs the layer loop: set model.scan_layers true")
+    if model.n_layers > 1 and model.scan_unroll >= model.n_layers:
+        raise ConfigError(
+            key,
+            f"{setting} needs a layer loop, but model.scan_unroll {model.scan_unroll} unrolls all "
+            f"{model.n_layers} layers (use 0 or fewer than {model.n_layers})",
         )
 
 

@@ -22,6 +22,7 @@ from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
+from meshpar import offload as offload_lib
 from meshpar import resume as resume_lib
 from meshpar.checkpoint import Checkpointer
 from meshpar.config import Config, ConfigError
@@ -114,7 +115,8 @@ def plan_model(
 ) -> tuple[optax.GradientTransformation, trainer.StatePlan]:
     """The optimizer and the train state's plan (shapes, shardings), every parameter and
     activation checked against the layout; nothing allocated. Parameters and optimizer state
-    are placed by `layout` with ``param_layout`` on top; activations by `layout`."""
+    are placed by `layout` with ``param_layout`` on top, in pinned host memory where the
+    ``offload`` section says so; activations by `layout`."""
     family = MODELS[cfg.model.name]
     build_model = functools.partial(family.build, cfg.model, element_spec)
     tx = trainer.make_optimizer(cfg.optimizer, decay_steps)
@@ -124,6 +126,8 @@ def plan_model(
     with _config_key("param_layout" if cfg.param_layout else "layout", layout_lib.LayoutError):
         trainer.check_params(abstract_params, params_layout)  # before any sharding is made of them
         plan = trainer.plan_state(build_model, tx, cfg.train.seed, params_layout, mesh)
+    off = cfg.offload
+    plan = dataclasses.replace(plan, shardings=offload_lib.place_state(plan.shardings, off.optimizer, off.params))
     with _config_key("layout", layout_lib.LayoutError):
         trainer.check_activations(plan, layout, mesh, abstract_batch(cfg, element_spec))
     return tx, plan
@@ -150,8 +154,10 @@ def build(cfg: Config) -> Experiment:
     # The schedule's horizon does not change the optimizer state's structure: the state is
     # planned with this run's horizon, and the step is built with the restored run's.
     tx, plan = plan_model(cfg, mesh, layout, inputs.element_spec, record["decay_steps"])
-    shardings, microbatches = plan.shardings, cfg.train.microbatches
-    train_step = trainer.make_train_step(plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches)
+    shardings, microbatches, activations = plan.shardings, cfg.train.microbatches, cfg.offload.activations
+    train_step = trainer.make_train_step(
+        plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches, activations
+    )
     compiled = {}  # program name -> compiled by the pre-flight (meshpar.plan.programs)
     if cfg.plan.check:
         from meshpar import aot  # here: aot imports this module
@@ -170,7 +176,7 @@ def build(cfg: Config) -> Experiment:
         if record["decay_steps"] != horizon:
             tx = trainer.make_optimizer(cfg.optimizer, record["decay_steps"])
             train_step = trainer.make_train_step(
-                plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches
+                plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches, activations
             )
             compiled.pop("train step")  # compiled for the other horizon
     else:

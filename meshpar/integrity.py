@@ -133,24 +133,35 @@ def _digest_one(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum(mixed * w2, dtype=jnp.uint32)])
 
 
-def _spread(x: Any) -> NamedSharding | None:
+def _spread(x: Any) -> tuple[NamedSharding | None, bool]:
     """x's sharding, also split over the mesh axes x is replicated on: reaching it is a local
-    slice, and each element is then digested once, not once per replica (8x on data:8)."""
+    slice, and each element is then digested once, not once per replica (8x on data:8); and
+    whether x lives in pinned host memory (offload), from where it is first moved to the
+    devices: one operation cannot mix memory kinds, and the digest is computed on the devices."""
     s = getattr(x, "sharding", None)
+    host = getattr(s, "memory_kind", None) == "pinned_host"
     if not isinstance(s, NamedSharding) or any(t != AxisType.Auto for t in s.mesh.axis_types):
-        return None
+        return (s.with_memory_kind("device") if host else None), host
     spec = [p if isinstance(p, tuple) else (p,) if p else () for p in s.spec] + [()] * (x.ndim - len(s.spec))
     for axis in [a for a in s.mesh.axis_names if s.mesh.shape[a] > 1 and all(a not in p for p in spec)]:
         for d, p in enumerate(spec):
             if x.shape[d] % (math.prod(s.mesh.shape[a] for a in p) * s.mesh.shape[axis]) == 0:
                 spec[d] = (*p, axis)  # minor-most: each new block lies inside the device's own block
                 break
-    return NamedSharding(s.mesh, PartitionSpec(*(p or None for p in spec)))
+    spread = NamedSharding(s.mesh, PartitionSpec(*(p or None for p in spec)), memory_kind="device" if host else None)
+    return spread, host
+
+
+def _placed(x: jax.Array, spread: tuple[NamedSharding | None, bool]) -> jax.Array:
+    s, host = spread
+    if host:
+        return jax.device_put(x, s)  # from host memory to the devices, split as `s`
+    return x if s is None else jax.lax.with_sharding_constraint(x, s)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _digest(leaves: list, spreads: tuple) -> list:
-    return [_digest_one(x if s is None else jax.lax.with_sharding_constraint(x, s)) for x, s in zip(leaves, spreads)]
+    return [_digest_one(_placed(x, s)) for x, s in zip(leaves, spreads)]
 
 
 def digest_program(leaves: list) -> jax.stages.Lowered:

@@ -217,15 +217,20 @@ class Layout:
 
 # The layout and mesh that `constrain` resolves names with while a model is traced.
 _ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar("meshpar_layout", default=None)
+# Whether the parameters the traced model is given live in pinned host memory (offload.params).
+_PARAMS_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_params_on_host", default=False)
 
 
 @contextlib.contextmanager
-def activate(layout: Layout, mesh: Mesh) -> Iterator[None]:
-    """Within this block, :func:`constrain` places activations by `layout` on `mesh`."""
-    token = _ACTIVE.set((layout, mesh))
+def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> Iterator[None]:
+    """Within this block, :func:`constrain` places activations by `layout` on `mesh`.
+    `params_on_host`: the parameters the model is given live in pinned host memory, and
+    :func:`use` moves each to the devices where the model uses it (see :mod:`meshpar.offload`)."""
+    token, host = _ACTIVE.set((layout, mesh)), _PARAMS_ON_HOST.set(params_on_host)
     try:
         yield
     finally:
+        _PARAMS_ON_HOST.reset(host)
         _ACTIVE.reset(token)
 
 
@@ -239,6 +244,11 @@ def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
     moves the gather in front of the cast, and a bfloat16 model's gathers would move float32.
     """
     active = _ACTIVE.get()
+    if active is not None and _PARAMS_ON_HOST.get():
+        # Offloaded parameters: moved to the devices first, in the parameter's own split (a
+        # layer of a scanned stack is sliced in host memory by the loop, then moved here).
+        layout, mesh = active
+        w = jax.device_put(w, layout.params.sharding(mesh, dims).with_memory_kind("device"))
     if dtype is not None and w.dtype != dtype:
         w = w.astype(dtype)
         if active is not None and active[0].param_rules:

@@ -5,7 +5,8 @@ batch size, model, optimizer with its schedule's horizon, data), and a fingerpri
 training data (examples, fields). A resumed run must keep them; a change is refused in one
 line naming the key, the saved value and the new one, unless ``checkpoint.allow_changes``
 names the key (or its section). Everything else — ``train.steps``, logging, eval, feeding,
-mesh, layout, checkpoint cadence, hardware — may change: extending a run with
+mesh, layout, host offload, checkpoint cadence, hardware — may change (the state is read
+straight into this run's shardings, device or pinned host memory alike): extending a run with
 ``--resume train.steps=<more>`` is the common case, and the learning-rate schedule keeps the
 horizon it was saved with (``optimizer.decay_steps``, by default the first run's
 ``train.steps``), so extending never reshapes it.

@@ -20,8 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import layout as layout_lib
+from meshpar import offload as offload_lib
 from meshpar import stop as stop_lib
 from meshpar.config import OptimizerConfig
+from meshpar.models import remat as remat_lib
 
 
 @flax.struct.dataclass
@@ -153,11 +155,21 @@ def make_train_step(
     state_shardings: TrainState,
     batch_shardings: Mapping[str, NamedSharding],
     microbatches: int = 1,
+    activations: str = "none",
+    activations_memory: str = offload_lib.HOST,
 ) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
     """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
     is donated. `stop` holds one int32 per device (see :mod:`meshpar.stop`); ``metrics["stop"]``
     is its maximum, the same on every process. With `microbatches` k > 1 the batch's gradients
-    are accumulated over k microbatches (see :func:`accumulate`) before the one update."""
+    are accumulated over k microbatches (see :func:`accumulate`) before the one update.
+
+    Host offload (:mod:`meshpar.offload`) follows `state_shardings`: parameters or optimizer
+    state whose shardings are in pinned host memory are brought to the devices where they are
+    used, and written back through the output shardings. `activations` (``offload.activations``)
+    keeps its named values of every layer in `activations_memory` in place of ``model.remat``
+    (``device``: the same names saved on the devices, the reference offload is compared with)."""
+    params_on_host = offload_lib.any_on_host(state_shardings.params)
+    keep = offload_lib.ACTIVATION_NAMES[activations]
 
     def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -169,14 +181,20 @@ def make_train_step(
 
             return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-        with layout_lib.activate(layout, mesh):
+        with layout_lib.activate(layout, mesh, params_on_host), remat_lib.keeping(keep, activations_memory):
             if microbatches == 1:
                 (loss, aux), grads = grad_fn(state.params, batch, step_rng)
             else:
                 param_shardings = state_shardings.params
                 (loss, aux), grads = accumulate(grad_fn, state.params, batch, step_rng, microbatches, param_shardings)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            # The update runs on the devices: offloaded state (and the gradient of offloaded
+            # parameters, which jax keeps in their memory) is brought there; the output
+            # shardings write it back. Without offload these are no-ops.
+            grads = offload_lib.fetch(grads, state_shardings.params)
+            params = offload_lib.fetch(state.params, state_shardings.params)
+            opt_state = offload_lib.fetch(state.opt_state, state_shardings.opt_state)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "stop": jnp.max(stop), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng))
         return new, metrics
@@ -205,8 +223,11 @@ def split_microbatches(x: jax.Array, k: int) -> jax.Array:
 def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State):
     """``grad_fn(params, batch, key) -> ((loss, aux), grads)`` over k microbatches of `batch`, in
     a ``lax.scan``: gradients summed in float32 (kept in the parameters' shardings), then the
-    means of gradients, losses and metrics — the full batch's, as the microbatches are equal."""
+    means of gradients, losses and metrics — the full batch's, as the microbatches are equal.
+    Parameters in host memory (offload) give host gradients: each is brought to the devices
+    before it is added, and the sum stays there."""
     micro = {name: split_microbatches(x, k) for name, x in batch.items()}
+    own_shardings, param_shardings = param_shardings, offload_lib.on_device(param_shardings)
     zeros = jax.tree.map(
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, param_shardings
     )
@@ -214,6 +235,7 @@ def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, 
     def body(total, xs):
         i, mb = xs
         (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
+        grads = offload_lib.fetch(grads, own_shardings)
         def add(t, g, s):  # the running sum, in float32, kept in the parameter's sharding
             return jax.lax.with_sharding_constraint(t + g.astype(jnp.float32), s)
 
@@ -234,8 +256,10 @@ def make_eval_step(
 ) -> Callable[[nnx.State, dict], dict]:
     """``eval_step(params, batch) -> metrics`` (loss and the model's own metrics), no dropout."""
 
+    params_on_host = offload_lib.any_on_host(param_shardings)
+
     def step(params: nnx.State, batch: dict) -> dict:
-        with layout_lib.activate(layout, mesh):
+        with layout_lib.activate(layout, mesh, params_on_host):  # offloaded weights fetched where used
             loss, aux = nnx.merge(graphdef, params).loss(batch, rngs=None)
         return {"loss": loss, **aux}
 

@@ -38,6 +38,7 @@ def env():
 # in one place and a renamed test is reported, not silently dropped.
 SMOKE = (
     "tests/test_config.py",
+    "tests/test_offload.py",
     "tests/test_checkpoint.py",
     "tests/test_trainer.py::test_routed_and_direct_train_bit_identically",
     "tests/test_resume.py::test_resume_from_a_mid_run_checkpoint_is_bit_identical[direct-0]",

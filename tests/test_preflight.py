@@ -68,7 +68,7 @@ def test_an_absurd_size_is_refused_from_the_analytic_model_alone(tmp_path, lower
     assert re.fullmatch(
         r"model: does not fit: needs [\d,.]+ GiB per device \(largest: optimizer [\d,.]+ GiB\), "
         r"[\d,.]+ [MG]iB usable on host RAM .+; none of the \d+ candidate changes fits "
-        r"\(closest: mesh=data:1,model:8, needs at least [\d,.]+ GiB\)",
+        r"\(closest: mesh=data:1,model:8 offload.optimizer=true, needs at least [\d,.]+ GiB\)",
         message,
     ), message
     assert lowerings == []  # nothing compiled

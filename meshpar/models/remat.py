@@ -20,11 +20,19 @@ The saving is real inside the layer loop. In straight-line layers (``scan_layers
 XLA:CPU schedules the recomputation early and keeps about what ``none`` keeps (quickstart at 8
 layers, compiled temp per device: 78 MiB for none, full and dots alike), so on CPU a scan is
 not unrolled by default when ``remat`` is on.
+
+A step may replace ``model.remat``'s policy for the layers it traces with one that picks by
+name (:func:`keeping`): host offload of activations (``offload.activations``, see
+:mod:`meshpar.offload`) keeps the named values in pinned host memory, and the same names kept
+in device memory are its reference. The models never see the setting; like the layout, it is
+read at trace time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 
@@ -36,6 +44,39 @@ POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 
+# (names, where they are kept: "pinned_host" or "device") while a step traces the model; None
+# = model.remat decides.
+_KEEPING: contextvars.ContextVar[tuple[tuple[str, ...], str] | None] = contextvars.ContextVar(
+    "meshpar_keeping", default=None
+)
+
+
+@contextlib.contextmanager
+def keeping(names: Sequence[str], memory: str = "pinned_host") -> Iterator[None]:
+    """Within this block every layer keeps exactly the values tagged `names` for its backward
+    pass, in `memory` (``pinned_host``: offloaded; ``device``: saved), and recomputes the rest;
+    this replaces ``model.remat``. No names: the block changes nothing."""
+    token = _KEEPING.set((tuple(names), memory) if names else None)
+    try:
+        yield
+    finally:
+        _KEEPING.reset(token)
+
+
+def kept() -> tuple[tuple[str, ...], str] | None:
+    """The names-and-memory policy of the enclosing :func:`keeping` block, or None."""
+    return _KEEPING.get()
+
+
+def named_policy(names: Sequence[str], memory: str) -> Callable[..., bool]:
+    """The jax.checkpoint policy keeping `names` in `memory` (``pinned_host`` or ``device``)."""
+    if memory == "device":
+        return jax.checkpoint_policies.save_only_these_names(*names)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), offload_src="device", offload_dst=memory
+    )
+
+
 def checkpointed(fn: Callable, remat: str, *, in_scan: bool) -> Callable:
     """`fn` (one layer) under ``model.remat``'s policy.
 
@@ -44,6 +85,9 @@ def checkpointed(fn: Callable, remat: str, *, in_scan: bool) -> Callable:
     jax's CSE barriers are left out; an unrolled layer needs them, or XLA would reuse the forward
     values and keep them alive after all.
     """
+    override = _KEEPING.get()
+    if override is not None:
+        return jax.checkpoint(fn, policy=named_policy(*override), prevent_cse=not in_scan)
     if remat == "none":
         return fn
     return jax.checkpoint(fn, policy=POLICIES[remat], prevent_cse=not in_scan)

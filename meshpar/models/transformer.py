@@ -35,7 +35,11 @@ kv]``, after rotary), ``context`` (attention's output per head ``[batch, length,
 ``attn_out`` (its output projection ``[batch, length, embed]``), ``attn_residual`` (the residual
 stream after attention), ``mlp_in`` (the MLP's normed input) and ``mlp_hidden`` (after gelu
 ``[batch, length, d_ff]``). Attention's ``[length, length]`` scores and probabilities carry no
-name: a policy that keeps only named values never keeps them.
+name: a policy that keeps only named values never keeps them. Host offload of activations
+(``offload.activations``, :mod:`meshpar.offload`) is such a policy, set by the train step
+(:func:`meshpar.models.remat.keeping`) in place of ``remat``; with offloaded parameters each
+weight is moved to the devices where :func:`meshpar.layout.use` places it, a scanned layer's
+inside the layer loop.
 
 Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
   * ``batch:data; d_ff:model; heads:model; vocab:model`` — Mesh TensorFlow's data + model;
@@ -213,7 +217,10 @@ def scan_unroll(cfg: TransformerConfig) -> int:
     # remat's saving needs the loop: in straight-line layers XLA:CPU keeps (most of) the
     # activations remat would drop (quickstart at 8 layers, remat full: 50 MiB temp unrolled,
     # 18 MiB in the loop; none: 78 MiB unrolled).
-    if jax.default_backend() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and cfg.remat == "none":
+    # A name-based policy set by the step (activation offload, meshpar.models.remat.keeping)
+    # needs the loop as much.
+    remat_on = cfg.remat != "none" or remat_lib.kept() is not None
+    if jax.default_backend() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:
         return cfg.n_layers
     return 1
 

@@ -6,6 +6,8 @@ analytic memory model (:mod:`meshpar.plan.memory`, the same check the config fai
 * ``train.microbatches`` — 2, 4 or 8 times the configured number (each device's rows must
   divide): the saved activations of one microbatch instead of the whole batch;
 * ``model.remat=full`` — each layer keeps only its input and is recomputed backwards;
+* ``offload.optimizer=true`` — the optimizer state lives in pinned host memory between steps
+  and comes to the devices for the update (:mod:`meshpar.offload`);
 * ``param_layout`` FSDP — parameters and optimizer state also split over the batch axes of the
   mesh, along the model's embed-like dims: the dims that cover the most parameter bytes, chosen
   greedily from the parameters' own logical dims (the Transformer's ``embed``; the MLP's
@@ -18,8 +20,16 @@ analytic memory model (:mod:`meshpar.plan.memory`, the same check the config fai
 
 Every combination of these is a candidate. They are tried in a fixed order: fewer changes
 first; among as many changes, the least disruptive, in the order microbatches (no extra
-FLOPs, no communication), remat (a third more FLOPs), ``param_layout`` (weights gathered every
-step), model-axis splitting (activations communicated every layer), smaller factors first.
+FLOPs, no communication), remat (a third more FLOPs), optimizer offload, ``param_layout``
+(weights gathered every step), model-axis splitting (activations communicated every layer),
+smaller factors first. Optimizer offload comes after remat and before ``param_layout``: like
+microbatches and remat it leaves the layout and the arithmetic as they are (losses are
+bit-identical), but it moves the whole optimizer state over the host link and back once per
+step, a cost that does not shrink with the batch and that nothing overlaps (the state comes in
+after the backward pass, see :mod:`meshpar.plan.offload_cost`); it frees exactly what the other
+two cannot touch, the optimizer state. ``param_layout`` frees it too, by gathering weights over
+device links every layer of every step and changing the layout every program sees. Parameter
+and activation offload are not candidates: their transfers run every layer of every step.
 A candidate whose parameters and optimizer state alone (exact, from the shardings) exceed the
 usable bytes is passed over without tracing the model, so even an absurd size is settled in
 seconds; the others get the full analytic check, and the first that fits is proposed.
@@ -51,7 +61,7 @@ FACTORS = (2, 4, 8)  # microbatches and model-axis splitting: times the configur
 # Stacked layers are scanned over: splitting the stack would move whole layers between devices.
 NEVER_SPLIT = frozenset({"layers"})
 # The config key a kind of change names, most disruptive first: a fix names its first key here.
-KEYS = ("mesh", "param_layout", "model.remat", "train.microbatches")
+KEYS = ("mesh", "param_layout", "offload.optimizer", "model.remat", "train.microbatches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +173,12 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
     k0 = cfg.train.microbatches
     micro = [None, *(k0 * f for f in FACTORS)]
     remat = [None, *(["full"] if getattr(cfg.model, "remat", "full") != "full" else [])]
+    offload = [False, *([True] if not getattr(getattr(cfg, "offload", None), "optimizer", True) else [])]
     meshes = [(1, shape, None), *_model_meshes(cfg, shape)]
     raw = config_lib.to_dict(cfg)
     out = []
-    for (factor, mesh_shape, rules), fsdp, r, k in itertools.product(meshes, (False, True), remat, micro):
-        n = (factor > 1) + fsdp + (r is not None) + (k is not None)
+    for (factor, mesh_shape, rules), fsdp, off, r, k in itertools.product(meshes, (False, True), offload, remat, micro):
+        n = (factor > 1) + fsdp + off + (r is not None) + (k is not None)
         if not n:
             continue
         changes = []
@@ -183,6 +194,8 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
                 continue
             axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
             changes += [("param_layout", layout_lib.format_rules((*cfg.param_layout, *((d, axes) for d in dims))))]
+        if off:
+            changes += [("offload.optimizer", "true")]
         if r is not None:
             changes += [("model.remat", r)]
         if k is not None:
@@ -192,18 +205,21 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
             config_lib.check_batch_size(new, mesh_shape)
         except ConfigError:
             continue  # e.g. microbatches that do not divide each device's rows
-        rank = (n, factor, fsdp, r is not None, k or 0)
+        rank = (n, factor, fsdp, off, r is not None, k or 0)
         out.append((rank, Candidate(tuple(changes), new)))
     return [c for _, c in sorted(out, key=lambda x: x[0])]
 
 
 def _state_bytes(cfg: Config, mesh: jax.sharding.Mesh, abstract_state) -> int:
     """Parameters + optimizer state (+ step, RNG key) on one device under `cfg`'s layout: exact,
-    from the shardings alone. Raises LayoutError when a parameter's split dims do not divide."""
+    from the shardings alone (optimizer state offloaded to host memory not counted). Raises
+    LayoutError when a parameter's split dims do not divide."""
     layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
     params_layout = layout.params
     trainer.check_params(abstract_state.params, params_layout)
     shardings = trainer.tree_shardings(abstract_state, params_layout, mesh)
+    if getattr(getattr(cfg, "offload", None), "optimizer", False):  # in host memory: not the device's
+        abstract_state, shardings = abstract_state.replace(opt_state=()), shardings.replace(opt_state=())
     return sum(
         math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
         for a, s in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(shardings))

@@ -63,6 +63,28 @@ feeding), in bytes:
 ``Breakdown.total`` is the sum of the categories: params + optimizer + the inputs (exact) plus
 the step's working set (grads + activations + workspace, the estimate).
 
+**Host offload** (the ``offload`` section; what lives where: :func:`meshpar.plan.offload_plan.placement`)
+moves bytes from these device categories to ``Breakdown.host``, per device, in pinned host memory:
+
+* ``host["optimizer"]`` (exact) — with ``offload.optimizer``, every optimizer-state leaf's shard;
+  the device keeps the step counter and the RNG key. The update brings the state to the device:
+  the update phase holds, beyond what it held before, the state of the parameter whose state
+  is largest (AdamW: two moments) — an estimate and a lower bound, for XLA fetching it leaf by
+  leaf before each leaf's update (all at once needs all of it); a GPU's ``memory_stats()``
+  peak in the device check settles it.
+* ``host["params"]`` (exact), ``host["grads"]`` (estimate) — with ``offload.params``, every
+  parameter's shard, and its gradient (the gradient of a host array is a host array: each
+  layer's goes back in the backward pass). The device holds (estimates) one layer's slice of
+  the stacked ``layers`` weights and its gradient, the weights outside the layers, the float32
+  microbatch sum; under ``remat: none`` every layer's fetched weights, kept as residuals
+  (``activations``); the update phase adds the largest parameter and its gradient (as above).
+* ``host["activations"]`` (exact, given the names) — with ``offload.activations``, the values
+  each layer tags with the offloaded names (:data:`meshpar.plan.offload_plan.OFFLOADED_NAMES`),
+  one microbatch, every layer. Everything else in the layer is recomputed, so the device's
+  ``activations`` (estimate) are what ``model.remat: full`` keeps (the layer inputs the loop
+  carries: offloading a carry does nothing, so ``layer_in`` counts on both sides), and the
+  backward phase holds one layer's recomputed and fetched residuals, as under remat.
+
 Not modelled, so the estimate runs low there: XLA:CPU computes bfloat16 matmuls in float32 and
 keeps float32 copies of their operands; with dropout it keeps the 32-bit random bits behind
 each mask; around a loop that runs as a loop, its temp allocation exceeds the largest set of
@@ -84,10 +106,11 @@ from meshpar import aot, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
 from meshpar.models import MODELS
-from meshpar.plan import programs
+from meshpar.plan import offload_plan, programs
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
+HOST_EXACT = frozenset({"params", "optimizer", "activations"})  # host offload's column (see above)
 
 # Primitives that only relabel their operand's bytes (bitcasts in XLA): a residual behind one is its operand.
 _BITCAST = frozenset({
@@ -118,10 +141,17 @@ class Breakdown:
 
     categories: dict[str, int]  # in CATEGORIES order; relay_inputs only in routed feeding
     exact: frozenset[str]  # the categories computed exactly; the others are estimates
+    # Per-device bytes in pinned host memory (host offload), by category; empty without offload.
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
+        """Device bytes: the sum of the categories (host bytes are not in it)."""
         return sum(self.categories.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +412,8 @@ def saved_activations(cfg: Config, step: aot.AbstractStep, remat: str | None = N
     state, batch, _ = step.args
     params = _local_params(state.params, step.layout, step.mesh)
     graphdef = step.plan.graphdef
-    if remat is not None and remat != getattr(cfg.model, "remat", remat):
+    offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
+    if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads):
         spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
         build = functools.partial(MODELS[cfg.model.name].build, dataclasses.replace(cfg.model, remat=remat), spec)
         graphdef, _ = trainer.abstract_model(build)
@@ -434,14 +465,31 @@ def analytic(cfg: Config, step: aot.AbstractStep | None = None) -> Breakdown:
     grads = params + running_sum
     rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
     optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
-    kept = saved_activations(cfg, step)
-    activations = sum(r.total for r in kept)
-    transient = max((r.nbytes for r in kept), default=0)  # the largest residual's cotangent
+    place, host, fetched = offload_plan.placement(cfg, plan), {}, 0
+    exact = EXACT
+    if place.optimizer:  # the state lives on the host; the update fetches it (module docstring)
+        host["optimizer"] = aot.shard_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
+        optimizer -= host["optimizer"]
+        fetched += offload_plan.largest_moments(plan)
+    if place.params:  # one layer's weights (and its gradient) on the device at a time
+        w = offload_plan.weights(plan, step.layout, step.mesh)
+        host["params"], host["grads"] = params, params
+        grads, params = running_sum + w.layer, w.layer + w.other
+        fetched += 2 * offload_plan.largest_param(plan)  # a parameter and its gradient
+        exact = exact - {"params"}
     remat = getattr(cfg.model, "remat", "none")
+    if place.activations != "none":  # the named residuals on the host, the rest recomputed
+        prof, remat = offload_plan.profile(cfg, step), "full"
+        host["activations"] = prof.named_bytes(offload_plan.OFFLOADED_NAMES[place.activations]) * prof.layers
+    kept = saved_activations(cfg, step, remat if place.activations != "none" else None)
+    activations = sum(r.total for r in kept)
+    if place.params and remat == "none":  # every layer's fetched weights kept for the backward
+        activations += (offload_plan.profile(cfg, step).layers - 1) * w.layer_compute
+    transient = max((r.nbytes for r in kept), default=0)  # the largest residual's cotangent
     if remat != "none":  # one layer's recomputed residuals, live during its backward
         transient += max(_loop_iteration(saved_activations(cfg, step, "none")) - _loop_iteration(kept), 0)
     backward = activations + grads + transient
-    update = _update_phase(cfg, step) + running_sum
+    update = _update_phase(cfg, step) + running_sum + fetched
     one_batch = aot.shard_bytes(batch)
     lagged = 0 if cfg.train.sync_every_step else 1
     categories = {
@@ -451,4 +499,4 @@ def analytic(cfg: Config, step: aot.AbstractStep | None = None) -> Breakdown:
     }  # fmt: skip
     if cfg.feed.mode == "routed":
         categories["relay_inputs"] = programs.relay_bytes(cfg, batch)
-    return Breakdown(categories, EXACT)
+    return Breakdown(categories, exact, host)

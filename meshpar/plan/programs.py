@@ -8,12 +8,16 @@ temp − alias of ``memory_analysis()``) plus what is resident outside it at tha
   ahead (``feed.prefetch``) and the one a dispatched step still holds under the lagged loop
   (see :mod:`meshpar.loop`; none with ``train.sync_every_step``);
 * **eval step** (when ``train.eval_every`` > 0) — its arguments are the parameters and one
-  eval batch; the rest of the train state (optimizer state, step, RNG key) stays resident, and
-  so do the prefetched train batches. The loop waits for the step before it evaluates, so no
-  train batch is in flight;
+  eval batch; the rest of the train state (optimizer state, step, RNG key) stays resident —
+  on the device, unless offloaded to host memory — and so do the prefetched train batches.
+  The loop waits for the step before it evaluates, so no train batch is in flight;
 * **checkpoint digest** (when the run saves) — the program that digests every state array
   before a save (:mod:`meshpar.integrity`): the whole state is its argument; its temporaries
   are the arrays' bits. The prefetched train batches stay resident.
+
+XLA's figures are device bytes (:func:`meshpar.aot.memory`): with host offload, the arguments
+and outputs in ``pinned_host`` memory are taken out of them — by XLA itself where the backend
+honours memory kinds, else (CPU) from their shardings.
 
 In routed feeding the relay device also holds the whole process batch it received, and the
 slices cut from it, while the prefetch thread places the next batch: at any of these peaks.
@@ -56,6 +60,12 @@ def relay_bytes(cfg: Config, batch: dict) -> int:
     return feed_time.relay_bytes(cfg.feed.mode, process_batch, max(shards // processes, 1))
 
 
+def _device_bytes(abstract) -> int:
+    """Per-device bytes of the leaves of `abstract` that live in device memory (host offload
+    keeps the others in pinned host memory, outside every device's peak)."""
+    return aot.shard_bytes([a for a in jax.tree.leaves(abstract) if a.sharding.memory_kind != aot.HOST_KIND])
+
+
 def runs_eval(cfg: Config) -> bool:
     return cfg.train.eval_every > 0
 
@@ -80,7 +90,7 @@ def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> li
         plan = step.plan
         evaluate = trainer.make_eval_step(plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings)
         compiled = evaluate.lower(state.params, batch).compile()
-        rest = aot.shard_bytes(state) - aot.shard_bytes(state.params)
+        rest = _device_bytes(state) - _device_bytes(state.params)
         resident = {"optimizer state, step, rng": rest, **prefetched, **relay}
         out.append(Peak("eval step", aot.memory(compiled), resident, compiled))
     if saves(cfg):

@@ -11,6 +11,11 @@ analytic categories:
 - total = argument + output + temp − alias, the step's peak (on CPU ``peak_memory_in_bytes``
   leaves temp out, so it is not used).
 
+With host offload the device figures leave out what lives in pinned host memory, and a host
+row sets the analytic host column (:mod:`meshpar.plan.memory`) beside XLA's host bytes — XLA's
+own ``host_*`` fields on GPU; on CPU, which reports none, the offloaded state's shard bytes
+(:func:`meshpar.aot.memory`), as the table says.
+
 The run executes other programs too (the eval step, the checkpoint digest), each with its own
 peak and with other buffers resident beside it (:mod:`meshpar.plan.programs`). What the plan
 needs per device is the largest of those peaks and of the analytic total.
@@ -80,7 +85,10 @@ class Report:
         return {
             "mesh": self.mesh,
             "devices": self.devices,
-            "analytic": None if a is None else {"categories": dict(a.categories), "exact": sorted(a.exact), "total_bytes": a.total},
+            "analytic": None if a is None else {
+                "categories": dict(a.categories), "exact": sorted(a.exact), "total_bytes": a.total,
+                "host": dict(a.host), "host_total_bytes": a.host_total,
+            },
             "analytic_missing": self.analytic_missing,
             "xla": dict(self.xla),
             "capacity": {
@@ -176,10 +184,31 @@ def table(report: Report):
         "total", na if total is None else fmt_bytes(total), "", "argument + output + temp − alias",
         fmt_bytes(x["total_bytes"]), "" if total is None else _diff(total, x["total_bytes"]), style="bold", end_section=True,
     )  # fmt: skip
+    host_rows(t, a, x)
     t.add_row("capacity", fmt_bytes(c.bytes), "", "", "", "")
     t.add_row("− headroom", fmt_bytes(c.headroom_bytes), "", "", "", "")
     t.add_row("usable", fmt_bytes(c.usable_bytes), "", "", "", "", style="bold")
     return t
+
+
+def host_rows(t, analytic, xla: dict) -> None:
+    """Host offload: the analytic host column and XLA's host figure, below the device total.
+    XLA:CPU reports no host bytes (it ignores memory kinds inside a computation), so there the
+    figure is the ``pinned_host`` arguments' and outputs' shard bytes, taken out of XLA's
+    device figures above (:func:`meshpar.aot.memory`)."""
+    host = {} if analytic is None else analytic.host
+    if not host and not xla.get("host_total_bytes"):
+        return
+    from meshpar.plan.memory import HOST_EXACT
+
+    for cat, n in host.items():
+        t.add_row(f"  host: {cat}", fmt_bytes(n), "exact" if cat in HOST_EXACT else "estimate", "", "", "")
+    source = "XLA's host_* fields" if xla.get("host_from") == "xla" else "shardings (XLA on CPU reports no host bytes)"
+    total = sum(host.values())
+    t.add_row(
+        "host total (pinned host memory)", fmt_bytes(total), "", f"host state: from the {source}",
+        fmt_bytes(xla.get("host_total_bytes", 0)), "", style="bold", end_section=True,
+    )  # fmt: skip
 
 
 def programs_table(report: Report):

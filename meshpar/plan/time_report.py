@@ -1,5 +1,6 @@
-"""The planner's time tables: a step's predicted time by term (``--topology``), and routed vs
-direct placement over batch sizes (``--compare-feeding``) as a rich table and a PNG."""
+"""The planner's time tables: a step's predicted time by term (``--topology``), routed vs direct
+placement over batch sizes (``--compare-feeding``) as a rich table and a PNG, and host offload
+next to the other ways of freeing device memory (``--topology``, ``--offload-sweep``)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,85 @@ def feeding_png(rows, topology, split, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _freed(c, base) -> str:
+    freed = base.device_bytes - c.device_bytes
+    return f"{'−' if freed >= 0 else '+'}{fmt_bytes(abs(freed))}"
+
+
+def _step(c, base) -> str:
+    """The option's step against the config's: ``×1.31`` (predicted, when there is a reference)."""
+    new, old = (c.predicted_s, base.predicted_s) if base.predicted_s else (c.step_s, base.step_s)
+    return f"×{new / old:.2f}" if old else ""
+
+
+def _caption(topology, bandwidth: float, overlap: bool) -> str:
+    return (
+        "frees, step: against no offload; step: the config's own step predicted from its compiled HLO "
+        "(meshpar.plan.timing) plus what the option adds in the per-layer model (meshpar.plan.offload_cost); "
+        f"{topology.name}: host link {bandwidth / 1e9:.1f} GB/s per device each way "
+        f"+ {topology.host_link.latency * 1e6:.0f} µs per transfer; compute at peak × {topology.efficiency:.0%}; "
+        f"transfers {'overlapped with the previous layer' if overlap else 'not overlapped'}; the update's state "
+        "trip never overlapped; remat's repeated collectives and per-kernel launch costs not counted."
+    )
+
+
+def offload_table(costs, topology, bandwidth: float, usable: int, overlap: bool = True):
+    """Every way of freeing device memory (:func:`meshpar.plan.offload_cost.compare`): device and
+    host memory per device, what it frees, the predicted step by term, and whether it fits
+    `usable` bytes (``hardware.memory_gib`` when set, else the topology's memory, less the
+    headroom)."""
+    from rich.table import Table
+
+    t = Table(
+        title=f"offload and the other ways of freeing device memory, per device, on {topology.name}",
+        title_justify="left", caption=_caption(topology, bandwidth, overlap), caption_justify="left",
+    )  # fmt: skip
+    for name in ("option", "device", "host", "frees", "compute", "host transfers", "adds", "step", "vs none", "fits"):
+        t.add_column(name, justify="left" if name == "option" else "right", no_wrap=True)
+    base = costs[0]
+    for c in costs:
+        t.add_row(
+            c.option.label, fmt_bytes(c.device_bytes), fmt_bytes(c.host_bytes), _freed(c, base) if c is not base else "",
+            fmt_seconds(c.compute_s), fmt_seconds(c.host_s), fmt_seconds(max(c.step_s - base.step_s, 0.0)),
+            fmt_seconds(c.predicted_s or c.step_s), _step(c, base), "yes" if c.device_bytes <= usable else "no",
+        )  # fmt: skip
+    return t
+
+
+def offload_sweep_table(rows, topology, bandwidth: float, usable: int, overlap: bool = True):
+    """Options × global batch sizes (:func:`meshpar.plan.offload_cost.sweep`): per cell what the
+    option frees and costs against the config at that batch; last, the cheapest per byte freed
+    and the fastest option that fits `usable` bytes per device."""
+    from rich.table import Table
+
+    from meshpar.plan import offload_cost
+
+    t = Table(
+        title=f"what frees device memory at what cost, by global batch size, on {topology.name}",
+        title_justify="left", caption=_caption(topology, bandwidth, overlap), caption_justify="left",
+    )  # fmt: skip
+    t.add_column("option", no_wrap=True)
+    for b, _ in rows:
+        t.add_column(f"batch {b}", justify="right", no_wrap=True)
+    labels = [c.option.label for c in rows[0][1]]
+    for i, label in enumerate(labels):
+        cells = []
+        for _, costs in rows:
+            c = next((x for x in costs if x.option.label == label), None)
+            if c is None:
+                cells.append("n/a")
+            elif i == 0:
+                cells.append(f"{fmt_bytes(c.device_bytes)}, {fmt_seconds(c.predicted_s or c.step_s)}")
+            else:
+                cells.append(f"{_freed(c, costs[0])} {_step(c, costs[0])}")
+        t.add_row(label, *cells, end_section=i == 0)
+    for frees, what in ((None, "any"), ("activations", "of activations"), ("state", "of parameters/optimizer state")):
+        best = [offload_cost.cheapest(costs, frees) for _, costs in rows]
+        t.add_row(f"cheapest per byte freed, {what}", *[c.option.label if c else "none" for c in best], style="bold")
+    fastest = [min((c for c in costs if c.device_bytes <= usable), key=lambda c: c.predicted_s or c.step_s, default=None)
+               for _, costs in rows]  # fmt: skip
+    labels = [c.option.label if c else "none" for c in fastest]
+    t.add_row(f"fastest that fits {fmt_bytes(usable)}", *labels, style="bold")
+    return t

@@ -1,0 +1,228 @@
+"""The planner's side of host offload: the memory plan's host column, XLA's figures without the
+host bytes, the pre-flight's offload candidate, the per-layer cost model, and
+experiments/offload.yaml (refused without offload, accepted and trained with it)."""
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshpar import aot, config, experiment, loop
+from meshpar.config import ConfigError
+from meshpar.metrics import read_jsonl
+from meshpar.plan import __main__ as plan_cli
+from meshpar.plan import candidates, capacity, memory, offload_cost, offload_plan, preflight, topology
+
+QUICKSTART = "experiments/quickstart.yaml"
+OFFLOAD = pathlib.Path("experiments/offload.yaml")
+MIB = 1 << 20
+
+
+def _step(path=QUICKSTART, *overrides):
+    cfg = config.load(path, list(overrides))
+    return cfg, aot.abstract_step(cfg)
+
+
+def _state_bytes(step, tree: str) -> int:
+    """Per-device bytes of one tree of the state, from the plan's shardings (what each device holds)."""
+    return sum(a["per_device_bytes"] for k, a in aot.state_bytes(step.plan).items() if k.startswith(tree + "/"))
+
+
+def test_host_column_is_the_offloaded_trees_shard_bytes():
+    cfg, step = _step(QUICKSTART)
+    base = memory.analytic(cfg, step)
+    assert base.host == {} and base.host_total == 0
+    opt = _state_bytes(step, "opt_state")
+    cfg, step = _step(QUICKSTART, "offload.optimizer=true")
+    off = memory.analytic(cfg, step)
+    assert offload_plan.placement(cfg, step.plan).from_shardings  # the state plan says pinned_host
+    assert off.host == {"optimizer": opt}
+    assert off.categories["optimizer"] == base.categories["optimizer"] - opt  # step counter and RNG key stay
+    assert off.total == base.total - opt  # the quickstart peaks in its backward pass, not in the update
+    cfg, step = _step(QUICKSTART, "offload.params=true")
+    params = _state_bytes(step, "params")
+    off = memory.analytic(cfg, step)
+    assert off.host["params"] == params and "params" not in off.exact
+    w = offload_plan.weights(step.plan, step.layout, step.mesh)
+    assert off.categories["params"] == w.layer + w.other < params  # one layer's slice and the rest
+    assert w.layer * cfg.model.n_layers + w.other == params
+
+
+@pytest.mark.parametrize("policy", ["layer_outputs", "dots"])
+def test_offloaded_activations_are_the_named_values(policy):
+    cfg, step = _step(QUICKSTART, f"offload.activations={policy}")
+    m = cfg.model
+    rows = cfg.train.batch_size // 4 // cfg.train.microbatches  # data:4
+    tokens, f32 = rows * cfg.data.length, 4
+    per_layer = {  # per device: heads and d_ff split over model:2
+        "layer_in": tokens * m.d_model, "attn_residual": tokens * m.d_model, "attn_out": tokens * m.d_model,
+        "query": tokens * m.n_heads // 2 * m.d_head, "key": tokens * m.n_heads // 2 * m.d_head,
+        "value": tokens * m.n_heads // 2 * m.d_head, "context": tokens * m.n_heads // 2 * m.d_head,
+        "mlp_hidden": tokens * m.d_ff // 2,
+    }  # fmt: skip
+    names = offload_plan.OFFLOADED_NAMES[policy]
+    plan = memory.analytic(cfg, step)
+    assert plan.host == {"activations": m.n_layers * f32 * sum(per_layer[n] for n in names)}
+    # Everything else is recomputed: the device keeps what remat full keeps.
+    full_cfg, full_step = _step(QUICKSTART, "model.remat=full")
+    assert plan.categories["activations"] == memory.analytic(full_cfg, full_step).categories["activations"]
+
+
+def test_xla_figures_leave_out_the_pinned_host_state():
+    _, step = _step(QUICKSTART)
+    base = aot.memory(step.lower().compile())
+    _, step = _step(QUICKSTART, "offload.optimizer=true")
+    off = aot.memory(step.lower().compile())
+    opt = _state_bytes(step, "opt_state")
+    # XLA:CPU counts pinned_host arguments as ordinary ones and reports no host bytes: they
+    # come from the shardings and are taken out of argument, output and alias.
+    assert off["host_from"] == "shardings"
+    assert off["host_argument_bytes"] == off["host_output_bytes"] == off["host_alias_bytes"] == opt
+    assert off["argument_bytes"] == base["argument_bytes"] - opt
+    assert off["alias_bytes"] == base["alias_bytes"] - opt
+    assert off["total_bytes"] == base["total_bytes"] - opt
+    assert base["host_from"] == "xla" and base["host_total_bytes"] == 0
+
+
+def test_offload_is_tried_after_remat_and_before_fsdp():
+    cfg, step = _step(OFFLOAD, "offload.optimizer=false")
+    order = [str(c) for c in candidates.candidates(cfg, step.mesh, step.plan.abstract.params)]
+    single = [c for c in order if " " not in c]
+    assert (
+        single.index("model.remat=full")
+        < single.index("offload.optimizer=true")
+        < single.index("param_layout=embed:data")
+    )
+    assert not any(c for c in order if "offload.params" in c or "offload.activations" in c)
+
+
+def test_offload_experiment_is_refused_without_and_accepted_with():
+    header = " ".join(line.strip() for line in OFFLOAD.read_text().splitlines() if line.startswith("#"))
+    refusal = re.search(r"(config error: offload\.optimizer: .+?\(needs [\d.]+ MiB\))", header).group(1)
+    cfg = config.load(OFFLOAD, ["offload.optimizer=false"])
+    with pytest.raises(ConfigError) as e:
+        experiment.build(cfg)  # the analytic check: nothing compiled, nothing allocated
+    assert f"config error: {e.value}" == refusal and "\n" not in str(e.value)
+    assert e.value.key == "offload.optimizer" and str(e.value).endswith(
+        "fits with offload.optimizer=true (needs 91.03 MiB)"
+    )
+    cfg, step = _step(OFFLOAD)
+    assert cfg.offload.optimizer
+    breakdown, cap = preflight.check_analytic(cfg, step, offload_cost._element_spec(step))
+    assert breakdown.total <= cap.usable_bytes < breakdown.total + breakdown.host["optimizer"]
+    assert f"{breakdown.total / MIB:.2f} MiB" in header and f"{breakdown.host['optimizer'] / MIB:.2f} MiB" in header
+    compiled = preflight.check_compiled(cfg, step, offload_cost._element_spec(step), breakdown, cap)
+    assert "train step" in compiled  # XLA's figures, less the host state, fit too
+
+
+@pytest.mark.slow
+def test_offload_experiment_trains(tmp_path):
+    cfg = config.load(OFFLOAD, ["train.steps=2", "train.eval_batches=1", "train.progress=false", f"workdir={tmp_path}"])
+    exp = experiment.build(cfg)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(exp.state.opt_state)} == {"pinned_host"}
+    loop.train(exp)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def _topo(name: str, **host_link):
+    topo = topology.load(name)
+    return dataclasses.replace(topo, host_link=dataclasses.replace(topo.host_link, **host_link)) if host_link else topo
+
+
+# The options these tests price: each a label of offload_cost.options and its overrides.
+PRICED = {
+    "no offload": (), "offload.optimizer": ("offload.optimizer=true",), "offload.params": ("offload.params=true",),
+    "offload.activations=layer_outputs": ("offload.activations=layer_outputs",),
+    "offload.activations=dots": ("offload.activations=dots",),
+}  # fmt: skip
+
+
+def _costs(cfg, topo, overlap=True):
+    """The PRICED options of `cfg` on `topo` (quicker than offload_cost.compare's every option)."""
+    out = {}
+    for label, overrides in PRICED.items():
+        new = offload_cost._apply(cfg, overrides)
+        out[label] = offload_cost.cost(
+            new, aot.abstract_step(new), topo, offload_cost.Option(label, overrides), overlap
+        )
+    return out
+
+
+def test_transfers_are_bytes_over_the_named_topologys_host_link():
+    cfg, step = _step(QUICKSTART)
+    h100, a100 = topology.load("h100-sxm-8"), topology.load("a100-pcie-8")
+    # h100-sxm-8: every GPU its own PCIe Gen5 x16; a100-pcie-8: four GPUs share a switch's uplink.
+    assert offload_cost.host_bandwidth(h100, 8) == h100.host_link.bandwidth
+    assert offload_cost.host_bandwidth(a100, 8) == a100.uplink.bandwidth / 4
+    assert offload_cost.host_bandwidth(a100, 1) == a100.host_link.bandwidth
+    opt = _state_bytes(step, "opt_state")
+    for topo in (h100, a100):
+        c = _costs(cfg, topo)["offload.optimizer"]
+        # In and back once per step, on a duplex link: the state's bytes once, plus the latency.
+        assert c.update_s == pytest.approx(opt / offload_cost.host_bandwidth(topo, 8) + topo.host_link.latency)
+    # Twice the bandwidth, no latency: every host transfer takes half as long.
+    slow = _costs(cfg, _topo("h100-sxm-8", latency=0.0))
+    fast = _costs(cfg, _topo("h100-sxm-8", latency=0.0, bandwidth=2 * h100.host_link.bandwidth))
+    for label in ("offload.optimizer", "offload.params", "offload.activations=dots"):
+        assert fast[label].host_s == pytest.approx(slow[label].host_s / 2)
+        assert fast[label].compute_s == slow[label].compute_s
+
+
+def test_overlap_hides_transfers_behind_compute():
+    cfg = config.load(QUICKSTART, [])
+    topo = topology.load("h100-sxm-8")
+    on, off = _costs(cfg, topo), _costs(cfg, topo, overlap=False)
+    base = off["no offload"]
+    for label in ("offload.params", "offload.activations=layer_outputs", "offload.activations=dots"):
+        assert on[label].step_s < off[label].step_s
+        assert off[label].step_s == pytest.approx(off[label].compute_s + off[label].host_s)  # the sum
+        assert on[label].step_s >= max(on[label].compute_s, base.compute_s)
+    # The optimizer's trip for the update is never overlapped.
+    assert on["offload.optimizer"].step_s == pytest.approx(base.step_s + on["offload.optimizer"].update_s)
+
+
+def test_bigger_batches_make_state_offload_relatively_cheaper():
+    cfg = config.load(QUICKSTART, [])
+    topo = topology.load("h100-sxm-8")
+    rows = offload_cost.sweep(cfg, topo, [32, 512], with_reference=False)
+    (_, small), (_, big) = rows
+    ratio = {b: {c.option.label.removesuffix(" (as configured)"): c.step_s / costs[0].step_s for c in costs}
+             for b, costs in rows}  # fmt: skip
+    # Parameters and optimizer state do not grow with the batch, the compute does.
+    for label in ("offload.optimizer", "offload.params"):
+        assert ratio[512][label] < ratio[32][label]
+    # Activations grow with the batch like the compute, and their transfers outrun it on this
+    # machine: the added time grows with the bytes (16x), less the per-transfer latency.
+    added = {b: {c.option.label: c.step_s - costs[0].step_s for c in costs} for b, costs in rows}
+    for label in ("offload.activations=layer_outputs", "offload.activations=dots"):
+        assert 8 * added[32][label] < added[512][label] < 16 * added[32][label]
+    # Freed bytes scale with the batch.
+    for label in ("offload.activations=layer_outputs", "model.remat=full"):
+        s, b = (next(c for c in costs if c.option.label == label) for costs in (small, big))
+        assert (big[0].device_bytes - b.device_bytes) / (small[0].device_bytes - s.device_bytes) == pytest.approx(
+            16, rel=0.05
+        )
+    assert offload_cost.cheapest(big, "state").option.frees == "state"
+
+
+def test_plan_cli_prints_the_offload_comparison(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--config", QUICKSTART, "--topology", "h100-sxm-8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "offload and the other ways of freeing device memory" in printed
+    options = {o["option"]["label"]: o for o in json.loads(out.read_text())["offload"]["options"]}
+    assert {"no offload (as configured)", "offload.optimizer", "offload.activations=dots", "model.remat=full",
+            "train.microbatches=2", "param_layout=embed:data"} <= set(options)  # fmt: skip
+    base = options["no offload (as configured)"]
+    assert base["predicted_s"] > base["step_s"]  # the config's own step from its HLO: collectives, feed
+    assert options["offload.optimizer"]["host_bytes"] > 0 and options["model.remat=full"]["host_bytes"] == 0
+    usable = int(topology.load("h100-sxm-8").memory_bytes * (1 - capacity.HEADROOM_FRACTION))
+    assert json.loads(out.read_text())["offload"]["usable_bytes"] == usable
+    assert plan_cli.main(["--config", QUICKSTART, "--offload-sweep"]) == 2  # needs a machine
+    assert "--offload-sweep" in capsys.readouterr().err
