@@ -15,7 +15,6 @@ import os
 from typing import Callable
 
 import numpy as np
-import tensorflow_datasets as tfds
 
 from input_pipeline.errors import DataError
 
@@ -31,6 +30,8 @@ def _one_line(err: BaseException) -> str:
 
 def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
     """Per-example spec + batch converter for one tfds feature connector."""
+    import tensorflow_datasets as tfds  # loaded by TfdsSource already; a lookup here
+
     shape, dtype = tuple(feat.shape), np.dtype(feat.np_dtype)
     if isinstance(feat, tfds.features.Image):
         if dtype != np.uint8 or None in shape or len(shape) != 3:
@@ -80,6 +81,10 @@ class TfdsSource:
     """
 
     def __init__(self, name: str, split: str, data_dir: str, fields: dict[str, str]):
+        try:  # here, not at import: the other sources run on images without tfds
+            import tensorflow_datasets as tfds
+        except ImportError:
+            raise DataError(f"dataset {name!r}: tensorflow_datasets is not installed (pip install tensorflow-datasets)") from None
         data_dir = os.fspath(data_dir)
         self.name, self.split, self.data_dir = name, split, data_dir
         if not os.path.isdir(data_dir):

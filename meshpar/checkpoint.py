@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from meshpar import integrity
 from meshpar.config import ConfigError
@@ -167,6 +166,8 @@ class Checkpointer:
         # The digest program compiled ahead of time by the memory pre-flight, for this run's state
         # (meshpar.plan.programs); None = compile it at the first save.
         self.digest_program = None
+        import orbax.checkpoint as ocp  # here: runs without checkpoints start without orbax
+
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None,
             enable_async_checkpointing=True,
@@ -232,6 +233,8 @@ class Checkpointer:
             "position": integrity.json_digest(data_position),
             "run": integrity.json_digest(record),
         }
+        import orbax.checkpoint as ocp
+
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(nested),
             position=ocp.args.JsonSave(data_position),
@@ -321,6 +324,8 @@ class Checkpointer:
         )
 
     def _restore_step(self, step: int, targets: list, names: list[str], treedef: Any, accept) -> Restored:
+        import orbax.checkpoint as ocp
+
         try:
             integrity.verify_files(self.directory / str(step), step)
         except integrity.Unrecorded:

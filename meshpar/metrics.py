@@ -26,9 +26,12 @@ class MetricsWriter:
         drops later ones, which a killed run wrote after its last checkpoint (TensorBoard is
         told to purge its events after that step too); a fresh run (step 0) starts the file
         anew. Disabled (processes other than the first of a multi-process run), it writes nothing."""
-        from tensorboardX import SummaryWriter  # protobuf-only event writer; no TensorFlow
-        from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import scalar
+        try:
+            from tensorboardX import SummaryWriter  # protobuf-only event writer; no TensorFlow
+            from tensorboardX.proto.summary_pb2 import Summary
+            from tensorboardX.summary import scalar
+        except ImportError:  # a bare accelerator image: the JSON outputs are the record, TB is a mirror
+            SummaryWriter = Summary = scalar = None
 
         self.enabled = enabled
         if not enabled:
@@ -41,6 +44,10 @@ class MetricsWriter:
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self._jsonl = open(path, "a")
         self._summary, self._scalar = Summary, scalar
+        self._tb = None
+        if SummaryWriter is None:
+            print("tensorboard: skipped: tensorboardX is not installed (metrics.jsonl and summary.json are written)")
+            return
         with _writing(self.workdir / "tb"):
             self._tb = SummaryWriter(str(self.workdir / "tb"), purge_step=start_step + 1 if start_step else None)
 
@@ -51,6 +58,8 @@ class MetricsWriter:
         with _writing(self.workdir / "metrics.jsonl"):
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
+        if self._tb is None:
+            return
         with _writing(self.workdir / "tb"):
             # One event per row, all its scalars in it (one add_scalar each costs ~0.3 ms).
             scalars = [v for k, x in row.items() if k != "step" and isinstance(x, (int, float)) for v in self._scalar(k, x).value]
@@ -61,8 +70,9 @@ class MetricsWriter:
             return
         with _writing(self.workdir / "metrics.jsonl"):
             self._jsonl.close()
-        with _writing(self.workdir / "tb"):
-            self._tb.close()
+        if self._tb is not None:
+            with _writing(self.workdir / "tb"):
+                self._tb.close()
 
 
 @contextlib.contextmanager

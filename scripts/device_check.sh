@@ -1,45 +1,91 @@
 #!/usr/bin/env bash
-# GPU check, one command, well under 8 minutes on one GPU, fetching nothing from the network:
+# GPU check, one command, under 5 minutes on one GPU, fetching nothing from the network:
 #
-#   bash scripts/device_check.sh [RESULTS_DIR]          (default: runs/device_check)
+#   bash scripts/device_check.sh [--dry-run] [RESULTS_DIR]   (default: runs/device_check[_dry])
 #
-# Prints the device, then runs (1) bench_feed with aligned pageable and pinned host buffers,
-# (2) the quickstart, (3) the routed/direct × prefetch 0/2 comparison, and leaves their JSON
-# (and the comparison table and plots) flat in RESULTS_DIR. The mesh is `data:-1` over the
-# GPUs present: with one GPU, routed and direct are the same path, and bench_feed still
-# measures host→device bandwidth against np.copy of the same bytes.
+# Sections, each writing its JSON into RESULTS_DIR as it finishes (scripts/device_check.py):
+#   device      the devices, versions, and the topology the time model predicts on
+#   a_feed      bench_feed: pinned vs pageable host→device bandwidth, ratio to the link's nominal
+#   plan        python -m meshpar.plan on experiments/gpu_lm.yaml: memory plan, predicted step
+#   b_gpu_lm    gpu_lm for a few dozen steps: step time, tokens/s, MFU (bf16 peak), memory_stats peak vs plan
+#   c_feeding   routed vs direct (compare_feeding) on every mesh of the devices present
+#   d_offload   scripts/bench_offload.py, or one "skipped: ..." line
+#   e_predictions + summary.md   the time model's prediction beside each measurement (scripts/device_report.py)
+# Each section has its own time limit (printed with its wall time) and the whole check a
+# budget, DEVICE_CHECK_BUDGET seconds (default 290; 900 with --dry-run): a section that hangs
+# is stopped and reported, and the ones after it still run with what is left.
 #
-# Needs a python3 with a CUDA jax, flax, optax, numpy, PyYAML, rich and matplotlib. Missing
-# pure-Python packages (tensorboardX) install from ./.whl when present, with --no-index:
-# fetch them beforehand, on a machine with a package index, with scripts/fetch_device_wheels.sh.
-set -euo pipefail
+# --dry-run shrinks every workload (gpu_lm to two layers of width 128, a few steps; two
+# simulated CPU devices) so the whole check, every output file included, runs on a laptop.
+#
+# Needs a python3 (PYTHON=...) with jax (CUDA on a GPU), flax, optax, numpy, PyYAML and rich;
+# tensorboardX, matplotlib, orbax and tensorflow_datasets are not needed (their outputs are
+# skipped with a line saying so). Wheels in ./.whl install with --no-index when present
+# (scripts/fetch_device_wheels.sh fetches them beforehand, on a machine with a package index).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=$(mkdir -p "${1:-runs/device_check}" && cd "${1:-runs/device_check}" && pwd)
+DRY=()
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=(--dry-run); shift; fi
+DEFAULT=runs/device_check; [[ ${#DRY[@]} -gt 0 ]] && DEFAULT=runs/device_check_dry
+RESULTS=$(mkdir -p "${1:-$DEFAULT}" && cd "${1:-$DEFAULT}" && pwd) || exit 2
+BUDGET=${DEVICE_CHECK_BUDGET:-$([[ ${#DRY[@]} -gt 0 ]] && echo 900 || echo 290)}
+PY=${PYTHON:-python3}
 WORK=$(mktemp -d -t meshpar-device-check.XXXXXX)
+rm -f "$RESULTS"/*.json "$RESULTS"/*.log "$RESULTS"/sections.tsv "$RESULTS"/summary.md
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# One compilation cache for the whole check: the plan's AOT compile of gpu_lm is the run's.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax_cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
 fi
-log() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+START=$SECONDS
+REPORT_RESERVE=20  # kept for the predictions and the summary
 
-log "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: not available"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print(jax.devices())"
+# section NAME JSON LIMIT: run one section with the smaller of LIMIT and the budget left.
+section() {
+  local name=$1 json=$2 limit=$3
+  local left=$((BUDGET - (SECONDS - START) - REPORT_RESERVE))
+  local seconds=$((limit < left ? limit : left))
+  printf '\n=== %s (%s; limit %d s, %d s of the budget left)\n' "$name" "$(date +%T)" "$seconds" "$left"
+  local t0=$SECONDS rc
+  if ((seconds < 5)); then
+    rc=skipped
+    printf '{"section": "%s", "status": "skipped", "note": "skipped: the check'"'"'s %d s budget is spent"}\n' "$json" "$BUDGET" >"$RESULTS/$json.json"
+  else
+    # The driver stops what it runs at its limit; `timeout` stops the driver should it hang itself.
+    timeout -k 5 $((seconds + 15)) "$PY" scripts/device_check.py "$name" --results "$RESULTS" --work "$WORK" --seconds "$seconds" "${DRY[@]}"
+    rc=$?
+    if [[ ! -s "$RESULTS/$json.json" ]]; then
+      printf '{"section": "%s", "status": "failed", "note": "the section driver exited %s without writing its result"}\n' "$json" "$rc" >"$RESULTS/$json.json"
+    fi
+  fi
+  printf '%s\t%s\t%d\t%d\n' "$json" "$rc" $((SECONDS - t0)) "$seconds" >>"$RESULTS/sections.tsv"
+  printf '=== %s: %d s wall\n' "$name" $((SECONDS - t0))
+}
 
-log "bench_feed: host→device placement vs np.copy, pageable (aligned) and pinned host buffers"
-timeout 240 python3 scripts/bench_feed.py --sizes-mib 1,16,64,256 --meshes 1,2,4,8 \
-  --host-memory aligned,pinned --out "$RESULTS/bench_feed.json" | tee "$RESULTS/bench_feed.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RESULTS/nvidia-smi.txt" 2>&1 || echo "nvidia-smi: not available" >"$RESULTS/nvidia-smi.txt"
+cat "$RESULTS/nvidia-smi.txt"
+# Planned GPU times (one H200): device ~10 s, feed ~20, plan ~45 (AOT compile of a 1 B model),
+# gpu_lm ~60 (cache hit + 40 steps), feeding ~45, offload ~30, report ~5: ~215 s of 290.
+section info device 40
+section feed a_feed 45
+section plan plan 90
+section lm b_gpu_lm 110
+section feeding c_feeding 70
+section offload d_offload 60
 
-log "quickstart"
-timeout 150 python3 -m meshpar.train --config experiments/quickstart.yaml mesh=data:-1,model:1 \
-  train.progress=false workdir="$WORK/quickstart"
-cp "$WORK/quickstart/summary.json" "$RESULTS/quickstart_summary.json"
+printf '\n=== e_predictions + summary (%s)\n' "$(date +%T)"
+t0=$SECONDS
+timeout -k 5 $((REPORT_RESERVE + 30)) "$PY" scripts/device_report.py --results "$RESULTS" \
+  --command "bash scripts/device_check.sh ${DRY[*]}"
+rc=$?
+printf '%s\t%s\t%d\t%d\n' e_predictions "$rc" $((SECONDS - t0)) "$REPORT_RESERVE" >>"$RESULTS/sections.tsv"
+printf '=== e_predictions + summary: %d s wall\n' $((SECONDS - t0))
+[[ -s "$RESULTS/summary.md" ]] || echo "# GPU check: the summary could not be written (see the sections' JSON)" >"$RESULTS/summary.md"
+[[ -s "$RESULTS/e_predictions.json" ]] || echo '{"section": "e_predictions", "status": "failed", "note": "device_report.py did not finish"}' >"$RESULTS/e_predictions.json"
 
-log "compare_feeding: routed vs direct, prefetch 0 and 2"
-timeout 240 python3 -m meshpar.compare_feeding --config experiments/quickstart.yaml mesh=data:-1,model:1 \
-  train.steps=100 workdir="$WORK/compare"
-cp "$WORK/compare/feed_comparison.json" "$WORK/compare/feed_comparison.md" "$WORK/compare/"*.png "$RESULTS/"
-
-log "done: results in $RESULTS"
+printf '\n=== done in %d s: results in %s\n' $((SECONDS - START)) "$RESULTS"
+cut -f1-3 "$RESULTS/sections.tsv" | awk -F'\t' '{printf "  %-14s exit %-8s %5d s\n", $1, $2, $3}'
 ls -l "$RESULTS"
+rm -rf "$WORK"

@@ -6,6 +6,13 @@ compiled ahead of time (nothing is allocated), the device capacity with its sour
 
 ``--topology NAME`` (a shipped machine, see :func:`meshpar.plan.topology.names`, or a YAML
 path) adds the predicted step time on that machine, by term, and the batch placement time.
+With ``--topology`` it also compares host offload with the other ways of freeing device
+memory (:mod:`meshpar.plan.offload_cost`): per offload setting (none, optimizer, params,
+activations ``layer_outputs`` / ``dots``, and combinations), ``model.remat``, microbatches ×2/×4
+and FSDP ``param_layout``, the predicted device and host memory per device and step time on
+that machine. ``--offload-sweep [B,B,...]`` adds the same comparison at several global batch
+sizes (default: the config's × 1, 8, 64, 512); ``--no-overlap`` prices transfers as not
+overlapped with compute.
 ``--compare-feeding --topology NAME [--png PATH]`` predicts instead, for process batches of
 1 MiB to 1 GiB, placement time and the relay device's extra memory, routed vs direct, for the
 config's mesh and layout on that machine; nothing is compiled.
@@ -68,12 +75,15 @@ def compare_feeding(cfg, topo, png: str | None) -> int:
 
     split = feed_time.config_split(cfg, topo)
     rows = feed_time.compare(topo, split.num_devices, split.shards, split.fields)
+    console = Console(width=max(Console().width, 120))
     if png:
         try:
             time_report.feeding_png(rows, topo, split, png)
+        except ImportError:  # the table does not need matplotlib; only the plot does
+            console.print(f"plot: skipped: matplotlib is not installed ({png} not written)")
+            png = None
         except OSError as e:
             raise errors.OutputError(f"cannot write {png}: {e.strerror}") from None
-    console = Console(width=max(Console().width, 120))
     console.print(time_report.feeding_table(rows, topo, split))
     own = feed_time.compare(topo, split.num_devices, split.shards, split.fields, sizes=(split.batch_bytes,))[0]
     console.print(
@@ -123,6 +133,53 @@ def search(cfg, args, argv: list[str]) -> int:
     return 0
 
 
+class _Offload:
+    """The offload comparison of a config on a machine, and its batch-size sweep when asked."""
+
+    def __init__(self, costs, sweep, bandwidth: float, usable: int, overlap: bool):
+        self.costs, self.sweep, self.bandwidth, self.usable, self.overlap = costs, sweep, bandwidth, usable, overlap
+
+    def print(self, console, topo) -> None:
+        from meshpar.plan import time_report
+
+        console.print(time_report.offload_table(self.costs, topo, self.bandwidth, self.usable, self.overlap))
+        if self.sweep:
+            console.print(time_report.offload_sweep_table(self.sweep, topo, self.bandwidth, self.usable, self.overlap))
+
+    def to_json(self) -> dict:
+        import dataclasses
+
+        def one(costs):
+            return [{**dataclasses.asdict(c), "exposed_s": c.exposed_s} for c in costs]
+
+        return {"host_bandwidth": self.bandwidth, "usable_bytes": self.usable, "overlap": self.overlap,
+                "options": one(self.costs), "sweep": [{"batch_size": b, "options": one(c)} for b, c in self.sweep]}  # fmt: skip
+
+
+def _batch_sizes(cfg, text: str) -> list[int]:
+    if not text:
+        return [cfg.train.batch_size * f for f in (1, 8, 64, 512)]
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError("--offload-sweep", f"expected global batch sizes such as 32,256,2048, got {text!r}")
+    return sizes
+
+
+def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_s: float) -> _Offload:
+    """The offload comparison on `topo`, with the sweep over `sizes` (global batch sizes) when given."""
+    from meshpar.plan import capacity, offload_cost
+
+    costs = offload_cost.compare(cfg, topo, step, overlap, reference_s)
+    sweep = offload_cost.sweep(cfg, topo, sizes, overlap) if sizes else []
+    # The config's planned device when it names one (hardware.memory_gib), else the machine's.
+    gib = cfg.hardware.memory_gib
+    usable = int((gib * capacity.GIB if gib > 0 else topo.memory_bytes) * (1 - capacity.HEADROOM_FRACTION))
+    return _Offload(costs, sweep, offload_cost.host_bandwidth(topo, step.mesh.size), usable, overlap)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.plan", description="Per-device memory plan of a config.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
@@ -133,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search", action="store_true", help="rank every mesh and layout that fits by predicted time")
     parser.add_argument("--top", type=int, metavar="K", help="with --search: compile the best K estimates (default 5)")
     parser.add_argument("--write", metavar="PATH", help="with --search: write the best layout as an experiment YAML")
+    parser.add_argument(
+        "--offload-sweep", nargs="?", const="", metavar="B,B,...",
+        help="with --topology: compare offload, remat, microbatches, FSDP at these global batch sizes",
+    )  # fmt: skip
+    parser.add_argument("--no-overlap", action="store_true", help="with --topology: offload transfers not overlapped")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)
-    step_time = topo = None
+    step_time = topo = offload = None
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.search or args.write or args.top is not None:
@@ -158,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             from meshpar import aot
 
             topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
+            sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
             step = aot.abstract_step(cfg)
             report = report_lib.plan(cfg, step)
             feed_s = _feed_seconds(cfg, topo)
@@ -165,12 +228,17 @@ def main(argv: list[str] | None = None) -> int:
                 from meshpar.plan import timing
 
                 step_time = timing.predict(cfg, step, report.compiled, topo, feed_s)
+            offload = _offload(cfg, step, topo, sizes, not args.no_overlap, step_time.total_s if step_time else 0.0)
         else:
+            if args.offload_sweep is not None or args.no_overlap:
+                raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
+                                  "prices offload on a machine: add --topology NAME")  # fmt: skip
             report = report_lib.plan(cfg)
         if args.json:
             out = report.to_json()
             if topo is not None:
                 out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": step_time and timing.to_json(step_time)}
+                out["offload"] = offload.to_json()
             try:
                 pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             except OSError as e:
@@ -193,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             console.print(f"time: no step-time model in this build; feed placement on {topo.name}: "
                           f"{time_report.fmt_seconds(feed_s)} ({cfg.feed.mode})", markup=False)  # fmt: skip
+        offload.print(console, topo)
     return 0 if report.fits else 1
 
 

@@ -1,0 +1,367 @@
+"""The sections of the GPU check, one subcommand each (``scripts/device_check.sh`` runs them in order).
+
+    python scripts/device_check.py SECTION --results DIR --work DIR --seconds S [--dry-run]
+
+SECTION is one of:
+
+- ``info``: the devices (platform, kind, count), versions, and the topology the time model
+  predicts on (``DEVICE_CHECK_TOPOLOGY`` overrides the pick) → ``device.json``.
+- ``feed`` (a): ``scripts/bench_feed.py``, pageable (aligned) and pinned host buffers: host→device
+  bandwidth, pinned over pageable, and the ratio to the host link's nominal bandwidth → ``a_feed.json``.
+- ``plan``: ``python -m meshpar.plan`` on ``experiments/gpu_lm.yaml`` with that topology: the
+  memory plan and the predicted step time (its compile fills the compilation cache the run
+  then reads) → ``plan.json``.
+- ``lm`` (b): ``experiments/gpu_lm.yaml`` for a few dozen steps: step time, tokens/s, MFU
+  against the bf16 peak, ``memory_stats()`` peak against the plan → ``b_gpu_lm.json``.
+- ``feeding`` (c): ``python -m meshpar.compare_feeding`` (routed vs direct, prefetch 2) on the
+  quickstart over every mesh of the devices present (``data:N/M,model:M``) →
+  ``c_feeding.json``, rewritten as each mesh finishes; with one device it says the two coincide.
+- ``offload`` (d): ``scripts/bench_offload.py`` when this tree has it → ``d_offload.json``.
+
+Every section writes its JSON with ``status`` (ok | failed | timed out | skipped), a one-line
+``note`` and ``wall_s``, also when what it runs fails or outlives its ``--seconds``; the
+commands' output goes to ``<section>.log`` beside it. ``--dry-run`` shrinks every workload for
+simulated CPU devices (``DRY_OVERRIDES``), so the whole check runs end to end on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU_LM = "experiments/gpu_lm.yaml"
+# gpu_lm at laptop size: the same config, every dimension shrunk (the test suite runs it too).
+DRY_OVERRIDES = [
+    "model.d_model=128", "model.n_heads=4", "model.d_head=32", "model.d_ff=512", "model.n_layers=2",
+    "model.max_length=128", "data.length=128", "data.max_bytes=1000000", "train.batch_size=8",
+]  # fmt: skip
+DRY_DEVICES = 2  # simulated CPU devices in a dry run: one mesh of 1, and the 2-device meshes
+LM_STEPS = {False: 40, True: 4}  # a few dozen on the GPU: compile once, then steady steps
+FEEDING_STEPS = {False: 30, True: 6}
+OFFLOAD_STEPS = {False: 6, True: 2}
+OFFLOAD_SETTINGS = "none,optimizer,params,layer_outputs"
+
+
+# ---- plumbing ------------------------------------------------------------------------------
+
+
+def run(cmd: list[str], seconds: float, log: pathlib.Path) -> tuple[int | None, str]:
+    """Run `cmd` from the repository root, its output echoed and appended to `log`; killed with
+    everything it started once `seconds` pass (returns None for the exit status then)."""
+    lines: list[str] = []
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+        def pump():
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                out.write(line)
+                lines.append(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=max(seconds, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the runs it started go too
+            proc.wait()
+            rc = None
+        reader.join(timeout=5)
+    return rc, "".join(lines)
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def failure(rc: int | None, seconds: float, text: str, what: str) -> dict:
+    if rc is None:
+        return {"status": "timed out", "note": f"{what}: still running after {seconds:.0f} s, stopped"}
+    return {"status": "failed", "note": f"{what} exited {rc}: {last_line(text)}"}
+
+
+def read_json(path: pathlib.Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write(results: pathlib.Path, name: str, out: dict) -> None:
+    path = results / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    tmp.replace(path)  # never a half-written file, whenever the section is stopped
+
+
+# ---- topology ------------------------------------------------------------------------------
+
+
+def pick_topology(platform: str, kind: str, count: int) -> str | None:
+    """The shipped machine matching these devices, or None (no prediction then)."""
+    if os.environ.get("DEVICE_CHECK_TOPOLOGY"):
+        return os.environ["DEVICE_CHECK_TOPOLOGY"]
+    if platform == "cpu":
+        return "cpu-sim"
+    kind = kind.upper()
+    if "H200" in kind and "GH200" not in kind and "NVL" not in kind:
+        return {1: "h200-sxm-1", 8: "h200-sxm-8"}.get(count)
+    if "H100" in kind and "PCIE" not in kind and "NVL" not in kind and count == 8:
+        return "h100-sxm-8"
+    if "A100" in kind and count == 8:
+        return "a100-pcie-8" if "PCIE" in kind else "a100-sxm-8"
+    return None
+
+
+def meshes(count: int) -> list[tuple[int, int]]:
+    """Every (data, model) split of `count` devices, most data-parallel first: a mesh on an
+    accelerator must use every device, so these are all the meshes the device count allows."""
+    return [(count // m, m) for m in range(1, count + 1) if count % m == 0]
+
+
+# ---- sections ------------------------------------------------------------------------------
+
+
+def info(args) -> dict:
+    import jax
+
+    if args.dry_run:
+        jax.config.update("jax_num_cpu_devices", DRY_DEVICES)
+    devices = jax.devices()
+    d = devices[0]
+    import flax
+    import optax
+
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    out = {
+        "status": "ok", "platform": d.platform, "device_kind": d.device_kind, "devices": len(devices),
+        "bytes_limit": (stats or {}).get("bytes_limit"), "dry_run": args.dry_run,
+        "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__, "python": sys.version.split()[0],
+        "topology": pick_topology(d.platform, d.device_kind, len(devices)),
+    }  # fmt: skip
+    # Which attention gpu_lm's `attention: cudnn` gets here (cuDNN, or blockwise where it does not apply).
+    import jax.numpy as jnp
+    import yaml
+
+    from meshpar.models import attention
+
+    model = yaml.safe_load((ROOT / GPU_LM).read_text())["model"]
+    shape = (1, model["max_length"], model["n_heads"], model["d_head"])
+    out["gpu_lm_attention"] = attention.resolve(model["attention"], shape, jnp.bfloat16, model["attention_block"])
+    out["note"] = (f"{len(devices)} x {d.device_kind} ({d.platform}); gpu_lm attention: {out['gpu_lm_attention']}; "
+                   f"time model on {out['topology'] or 'no known topology'}")  # fmt: skip
+    return out
+
+
+def feed(args, device: dict) -> dict:
+    n = device["devices"]
+    bench = [sys.executable, "scripts/bench_feed.py", "--host-memory", "aligned,pinned", "--out", str(args.work / "bench_feed.json")]
+    if args.dry_run:
+        bench += ["--sizes-mib", "1,4", "--meshes", f"1,{n}", "--repeats", "3", "--cpu-devices", str(n)]
+    else:
+        bench += ["--sizes-mib", "1,16,64,256", "--meshes", f"1,{n}", "--repeats", "7"]
+    rc, text = run(bench, args.seconds, args.log)
+    data = read_json(args.work / "bench_feed.json")
+    if rc != 0 or data is None:
+        return failure(rc, args.seconds, text, "bench_feed.py")
+    nominal = nominal_link_gbps(device.get("topology"))
+    pageable = {(r["batch_mib"], r["mesh"]): r["direct_s"] for r in data["rows"] if r["host_memory"] == "aligned"}
+    rows = []
+    for r in data["rows"]:
+        nbytes = r["batch_mib"] * 2**20
+        row = {k: r[k] for k in ("batch_mib", "mesh", "host_memory", "direct_s", "routed_s", "np_copy_s", "aliased")}
+        row["batch_bytes"] = int(nbytes)
+        row["direct_gb_s"] = nbytes / r["direct_s"] / 1e9
+        # Each device has its own host link on the shipped GPU machines: the mesh's links together.
+        row["ratio_to_nominal"] = row["direct_gb_s"] / (nominal * r["mesh"]) if nominal else None
+        base = pageable.get((r["batch_mib"], r["mesh"]))
+        row["pinned_over_pageable"] = base / r["direct_s"] if r["host_memory"] == "pinned" and base else None
+        rows.append(row)
+    best = max((r for r in rows if r["mesh"] == 1), key=lambda r: r["direct_gb_s"])
+    note = f"best one-device host→device {best['direct_gb_s']:.2f} GB/s ({best['host_memory']}, {best['batch_mib']:g} MiB)"
+    if nominal:
+        note += f", {best['ratio_to_nominal']:.0%} of the link's nominal {nominal:g} GB/s"
+    else:
+        note += "; no nominal link on this machine (simulated devices share host memory)"
+    if best["aliased"]:
+        note += "; aliased: the host buffer was wrapped, not copied (a lower bound)"
+    return {"status": "ok", "note": note, "nominal_link_gb_s": nominal, "rows": rows, "bench_feed": data}
+
+
+def nominal_link_gbps(name: str | None) -> float | None:
+    """The raw host→device link figure (GB/s, one direction) of a shipped topology file."""
+    import yaml
+
+    path = ROOT / "meshpar" / "plan" / "topologies" / f"{name}.yaml"
+    spec = yaml.safe_load(path.read_text()) if name and path.is_file() else None
+    link = (spec or {}).get("host_link")
+    return float(link["gbps"]) if isinstance(link, dict) and "gbps" in link else None
+
+
+def lm_overrides(args, device: dict) -> list[str]:
+    # The same steps for the plan and the run: the schedule's horizon is a constant of the
+    # compiled step, so only then is the plan's compile the run's (a compilation cache hit).
+    out = [f"mesh=data:{device['devices']}", f"train.steps={LM_STEPS[args.dry_run]}"]
+    return out + DRY_OVERRIDES if args.dry_run else out  # on a GPU: planned against XLA's allocator limit
+
+
+def plan(args, device: dict) -> dict:
+    topo = device.get("topology")
+    cmd = [sys.executable, "-m", "meshpar.plan", "--config", GPU_LM, *lm_overrides(args, device), "--json", str(args.work / "plan.json")]
+    if topo:
+        cmd += ["--topology", topo]
+    rc, text = run(cmd, args.seconds, args.log)
+    data = read_json(args.work / "plan.json")
+    if rc not in (0, 1) or data is None:  # 1 = does not fit: still a plan
+        return failure(rc, args.seconds, text, "python -m meshpar.plan")
+    step = (data.get("time") or {}).get("step") or {}
+    note = data["verdict"]
+    if step:
+        note += f"; predicted step {step['total_s'] * 1e3:.1f} ms on {topo}"
+    return {"status": "ok", "note": note, "topology": topo, "plan": data}
+
+
+def lm(args, device: dict) -> dict:
+    workdir = args.work / "gpu_lm"
+    steps = LM_STEPS[args.dry_run]
+    cmd = [sys.executable, "-m", "meshpar.train", "--config", GPU_LM, *lm_overrides(args, device), "train.progress=false",
+           "checkpoint.every=0", f"workdir={workdir}"]  # fmt: skip
+    rc, text = run(cmd, args.seconds, args.log)
+    summary = read_json(workdir / "summary.json")
+    if rc != 0 or summary is None:
+        return failure(rc, args.seconds, text, "python -m meshpar.train (gpu_lm)")
+    for name in ("summary.json", "metrics.jsonl"):  # the run's own record, beside the section's
+        shutil.copy(workdir / name, args.results / f"b_gpu_lm_{name}")
+    planned = read_json(args.results / "plan.json") or {}
+    needed = ((planned.get("plan") or {}).get("needed_bytes"))
+    stats = summary.get("input_memory", {}).get("memory_stats_peak_bytes_in_use")
+    peak = max(stats.values()) if stats else None
+    out = {
+        "status": "ok", "steps": steps, "mesh": summary["mesh"],
+        "median_step_time_s": summary["median_step_time_s"], "first_step_time_s": summary["first_step_time_s"],
+        "tokens_per_s": summary["tokens_per_s"], "step_tokens_per_s": summary["step_tokens_per_s"],
+        "mfu": summary["mfu"], "step_mfu": summary["step_mfu"], "peak_tflops_per_device": summary["peak_tflops_per_device"],
+        "peak_tflops_source": summary["peak_tflops_source"], "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
+        "memory_stats_peak_bytes": peak, "memory_source": "memory_stats() peak_bytes_in_use" if stats else None,
+        "plan_needed_bytes": needed, "peak_over_plan": peak / needed if peak and needed else None,
+    }  # fmt: skip
+    mfu = "no MFU (no peak for this device)" if out["mfu"] is None else f"MFU {out['mfu']:.1%} of {out['peak_tflops_per_device']:.4g} TFLOP/s"
+    memory = (f"memory_stats peak {peak / 2**30:.2f} GiB, plan {needed / 2**30:.2f} GiB" if peak and needed
+              else "no memory_stats() on this backend (CPU): peak not measured")  # fmt: skip
+    out["note"] = f"median step {out['median_step_time_s'] * 1e3:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s, {mfu}; {memory}"
+    return out
+
+
+def feeding(args, device: dict) -> dict:
+    n = device["devices"]
+    splits = meshes(n)
+    one = n == 1
+    # Prefetch 2 (the default) only: two runs per mesh, each a process of its own (start-up and
+    # compile dominate a short run), so one GPU's mesh takes about half the section's limit.
+    prefetch = "2"
+    out = {"status": "ok", "devices": n, "meshes": [], "note": ""}
+    if one:
+        out["coincide"] = ("one device: the relay is the only destination, so routed and direct send the same bytes over "
+                           "the same link; routed only adds its slicing program on that device")  # fmt: skip
+    deadline = time.monotonic() + args.seconds
+    for data_n, model_n in splits:
+        mesh = f"data:{data_n},model:{model_n}"
+        workdir = args.work / f"feeding_{data_n}x{model_n}"
+        cmd = [sys.executable, "-m", "meshpar.compare_feeding", "--config", "experiments/quickstart.yaml", "--prefetch", prefetch,
+               f"mesh={mesh}", f"train.steps={FEEDING_STEPS[args.dry_run]}", "train.eval_every=0", "checkpoint.every=0",
+               f"workdir={workdir}"]  # fmt: skip
+        left = deadline - time.monotonic()
+        if left < 5:
+            out["meshes"].append({"mesh": mesh, "status": "skipped", "note": "no time left in this section"})
+            continue
+        rc, text = run(cmd, left, args.log)
+        table = read_json(workdir / "feed_comparison.json")
+        if rc in (0, 1) and table is not None:  # 1: losses differ between runs, a result too
+            shutil.copy(workdir / "feed_comparison.md", args.results / f"c_feeding_{data_n}x{model_n}.md")
+            out["meshes"].append({"mesh": mesh, "status": "ok", **table})
+        else:
+            out["meshes"].append({"mesh": mesh, **failure(rc, left, text, "compare_feeding")})
+        write(args.results, "c_feeding", {**out, "section": "c_feeding", "status": "running"})
+    done = [m for m in out["meshes"] if m["status"] == "ok"]
+    if not done:
+        out["status"] = "failed" if out["meshes"] and out["meshes"][0]["status"] == "failed" else "timed out"
+    parts = []
+    for m in done:
+        by = {(r["mode"], r["prefetch"]): r for r in m["runs"]}
+        ratio = [by[("routed", k)]["median_place_time_s"] / by[("direct", k)]["median_place_time_s"]
+                 for k in (2, 0) if ("routed", k) in by and ("direct", k) in by and by[("direct", k)]["median_place_time_s"]]  # fmt: skip
+        parts.append(f"{m['mesh']}: routed/direct placement {ratio[0]:.2f}x" if ratio else m["mesh"])
+    out["note"] = "; ".join(parts) + (f" ({out['coincide']})" if one else "")
+    return out
+
+
+def offload(args, device: dict) -> dict:
+    script = ROOT / "scripts" / "bench_offload.py"
+    if not script.is_file():
+        return {"status": "skipped", "note": "skipped: scripts/bench_offload.py is not in this tree"}
+    outdir = args.work / "offload"
+    cmd = [sys.executable, str(script.relative_to(ROOT)), "--steps", str(OFFLOAD_STEPS[args.dry_run]), "--out", str(outdir)]
+    if args.dry_run:
+        cmd.append("--dry-run")  # its own shrinking: a tiny model on the CPU backend
+    else:
+        # The quickstart over every device present; the settings whose device memory differs
+        # (each is a process of its own on a GPU: four fit the section's minute).
+        cmd += ["--settings", OFFLOAD_SETTINGS, "mesh=data:-1,model:1"]
+    rc, text = run(cmd, args.seconds, args.log)
+    found = {p.name: read_json(p) for p in sorted(outdir.glob("*.json"))} if outdir.is_dir() else {}
+    if rc != 0 or not found:
+        bad = failure(rc, args.seconds, text, "bench_offload.py")
+        return {"status": "skipped", "note": f"skipped: {bad['note']}", "results": found}
+    settings = sum(len(r.get("results", [])) for r in found.values() if isinstance(r, dict))
+    return {"status": "ok", "note": f"bench_offload.py: {settings} settings measured", "results": found}
+
+
+SECTIONS = {"feed": ("a_feed", feed), "plan": ("plan", plan), "lm": ("b_gpu_lm", lm),
+            "feeding": ("c_feeding", feeding), "offload": ("d_offload", offload)}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("section", choices=["info", *SECTIONS])
+    p.add_argument("--results", type=pathlib.Path, required=True)
+    p.add_argument("--work", type=pathlib.Path, required=True)
+    p.add_argument("--seconds", type=float, default=60.0, help="this section's time budget")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    args.results.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    name, fn = ("device", None) if args.section == "info" else SECTIONS[args.section]
+    args.log = args.results / f"{name}.log"
+    start = time.monotonic()
+    try:
+        if fn is None:
+            out = info(args)
+        else:
+            device = read_json(args.results / "device.json")
+            if not device or device.get("status") != "ok":
+                out = {"status": "skipped", "note": "skipped: no device.json (the info section failed)"}
+            else:
+                out = fn(args, device)
+    except Exception as e:  # the section's own bug must not stop the check: it is reported
+        out = {"status": "failed", "note": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    out = {"section": name, **out, "wall_s": round(time.monotonic() - start, 2), "budget_s": args.seconds}
+    write(args.results, name, out)
+    print(f"[{name}] {out['status']}: {out['note']}", flush=True)
+    return 0 if out["status"] in ("ok", "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""experiments/gpu_lm.yaml: a 0.5-1.5 B-parameter byte LM for one 80-141 GB GPU that the memory
+plan and an AOT compile accept on CPU (nothing allocated; about 4 s each on 2 cores).
+
+Its 2-step run at laptop size is ``tests/test_experiments.py::test_experiment_runs_two_steps[gpu_lm]``
+(the header's small-size command); the device check's --dry-run uses the same overrides.
+"""
+
+import importlib.util
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from meshpar import config
+from meshpar.models import attention
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU_LM = ROOT / "experiments" / "gpu_lm.yaml"
+GIB = 1 << 30
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_lm_is_a_bf16_language_model_with_float32_weights_and_cudnn_attention_over_long_sequences():
+    cfg = config.load(GPU_LM)
+    m = cfg.model
+    assert (m.name, m.compute_dtype, m.param_dtype, m.attention) == ("transformer", "bfloat16", "float32", "cudnn")
+    assert cfg.data.length >= 1024 and cfg.data.source in ("text", "synthetic")
+    assert cfg.checkpoint.every == 0 and cfg.hardware.memory_gib == 0  # planned against the device it runs on
+    # Off a CUDA GPU, cudnn falls back to the blockwise kernel: no [length, length] scores.
+    shape = (1, cfg.data.length, m.n_heads, m.d_head)
+    assert attention.resolve(m.attention, shape, jnp.bfloat16, m.attention_block) == "blockwise"
+
+
+def test_the_headers_small_size_command_is_the_device_checks_dry_run():
+    """The suite's 2-step run (the header's command) and the dry run train the same small model."""
+    prefix = "#   python -m meshpar.train --config experiments/gpu_lm.yaml "
+    line = next(line for line in GPU_LM.read_text().splitlines() if line.startswith(prefix))
+    overrides = shlex.split(line[len(prefix) :])
+    assert overrides == [*_device_check().DRY_OVERRIDES, "train.eval_every=2"]
+    small = config.load(GPU_LM, overrides).model
+    assert small.n_layers * small.d_model * small.d_ff < 1e6  # laptop size, seconds per step
+
+
+@pytest.mark.parametrize("gib", [80, 141])
+def test_gpu_lm_plans_and_compiles_for_an_80_and_a_141_gib_device(gib, tmp_path, env):
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "meshpar.plan", "--config", str(GPU_LM), "mesh=data:1", f"hardware.memory_gib={gib}",
+           "--json", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    plan = json.loads(out.read_text())
+    params = plan["analytic"]["categories"]["params"]
+    assert 0.5e9 <= params / 4 <= 1.5e9  # float32 master weights: 4 bytes each
+    # The compiled step really holds the full model: its arguments are the weights and two
+    # AdamW moments (12 bytes per parameter), not a shrunk stand-in.
+    assert plan["xla"]["argument_bytes"] >= 3 * params
+    assert plan["capacity"]["bytes"] == gib * GIB and plan["capacity"]["source"] == f"hardware.memory_gib={gib}"
+    assert plan["fits"] and plan["needed_bytes"] <= plan["capacity"]["usable_bytes"]
+    assert plan["verdict"].startswith("fits: ")
+
+
+def test_on_a_laptop_the_full_size_model_is_refused_in_one_line_before_anything_is_allocated(tmp_path, env):
+    cmd = [sys.executable, "-m", "meshpar.train", "--config", str(GPU_LM), "mesh=data:1", "hardware.memory_gib=8",
+           f"workdir={tmp_path}"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and "does not fit" in lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
