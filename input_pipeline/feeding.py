@@ -87,7 +87,7 @@ def memory_stats_peak(devices: Iterable[jax.Device]) -> dict[int, int] | None:
     inputs), not inputs alone."""
     peaks = {}
     for device in devices:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        stats = device.memory_stats()
         if not stats or "peak_bytes_in_use" not in stats:
             return None
         peaks[device.id] = int(stats["peak_bytes_in_use"])

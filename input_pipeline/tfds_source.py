@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from typing import Callable
 
 import numpy as np
@@ -26,6 +27,43 @@ def _one_line(err: BaseException) -> str:
     # dataset); keep only the first line so our DataError stays one line.
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+# The names read here: tfds's grammar without a namespace (community datasets are fetched, not
+# read from data_dir) or builder kwargs (``name/data_dir=...`` would point tfds elsewhere).
+# Every part is one path component under data_dir: ``DATASET[/CONFIG][:VERSION]``.
+_NAME = re.compile(r"(?P<dataset>[A-Za-z]\w*)(/(?P<config>[\w+\-.]+))?(:(?P<version>(\d+|\*)(\.(\d+|\*)){2}))?")
+_SHOWN = 12  # folders listed in an error line, at most
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` is not a dataset name this source reads (None when it is). A name is never a
+    path: it names folders inside ``data_dir`` and nothing outside it."""
+    m = _NAME.fullmatch(name)
+    if m and not (m["config"] and set(m["config"]) == {"."}):
+        return None
+    path = any(c in name for c in "/\\") or name.startswith((".", "~"))
+    hint = "; a dataset name is not a path: the folder that holds the datasets is data.data_dir" if path else ""
+    return f"{name!r} is not a tfds dataset name: expected NAME[/CONFIG][:VERSION], e.g. mnist or mnist:3.0.1{hint}"
+
+
+def _folders(folder: str) -> str:
+    """The sub-folders of `folder` (one inside data_dir), for an error line."""
+    try:
+        names = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and d != "downloads")
+    except OSError as e:
+        return f"cannot list it: {e.strerror or e}"
+    more = f", and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more if names else "no folders"
+
+
+def _missing(data_dir: str, parts: list[str]) -> tuple[str, str] | None:
+    """The first of the folders `parts` (dataset, config, version) leads to under data_dir that
+    does not exist, and the folder before it; None when all do."""
+    for i in range(1, len(parts) + 1):
+        if not os.path.isdir(os.path.join(data_dir, *parts[:i])):
+            return "/".join(parts[:i]), "/".join(parts[: i - 1])
+    return None
 
 
 def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
@@ -87,29 +125,36 @@ class TfdsSource:
             raise DataError(f"dataset {name!r}: tensorflow_datasets is not installed (pip install tensorflow-datasets)") from None
         data_dir = os.fspath(data_dir)
         self.name, self.split, self.data_dir = name, split, data_dir
+        problem = name_problem(name)
+        if problem:
+            raise DataError(problem)
         if not os.path.isdir(data_dir):
             raise DataError(f"data_dir does not exist: {data_dir}")
         # Check the dataset directory ourselves: for names tfds ships code for
         # (e.g. "mnist") tfds.builder would happily build an empty code builder
-        # and fail later with a confusing split error.
-        base = name.split(":")[0].split("/")[0]
+        # and fail later with a confusing split error. Error lines list folders
+        # inside data_dir only: the name is checked above to stay inside it.
+        m = _NAME.fullmatch(name)
+        base = m["dataset"]
         if not os.path.isdir(os.path.join(data_dir, base)):
-            present = sorted(
-                d
-                for d in os.listdir(data_dir)
-                if os.path.isdir(os.path.join(data_dir, d)) and d != "downloads"
-            )
             raise DataError(
-                f"dataset {name!r} not found in data_dir {data_dir} "
-                f"(datasets present: {', '.join(present) or 'none'})"
+                f"dataset {name!r} not found: no folder {base} in data_dir {data_dir} "
+                f"(datasets there: {_folders(data_dir)})"
             )
         try:
             builder = tfds.builder(name, data_dir=data_dir)
         except Exception as e:  # tfds raises many types, all multi-line
-            found = sorted(os.listdir(os.path.join(data_dir, base)))  # versions/configs
+            parts = [p for p in (base, m["config"], m["version"]) if p and "*" not in p]
+            missing = _missing(data_dir, parts)
+            if missing:  # tfds would say "Dataset <name> not found" of a dataset that is there
+                wanted, parent = missing
+                raise DataError(
+                    f"dataset {name!r} not found: no folder {wanted} in data_dir {data_dir} "
+                    f"({parent}/ holds: {_folders(os.path.join(data_dir, parent))})"
+                ) from None
             raise DataError(
-                f"cannot load dataset {name!r} from {data_dir}: {_one_line(e)} "
-                f"(found in {base}/: {', '.join(found) or 'nothing'})"
+                f"cannot load dataset {name!r} from data_dir {data_dir}: {_one_line(e)} "
+                f"({'/'.join(parts)}/ holds: {_folders(os.path.join(data_dir, *parts))})"
             ) from None
         if not builder.is_prepared():
             raise DataError(

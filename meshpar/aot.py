@@ -22,8 +22,6 @@ from meshpar.config import Config, ConfigError
 
 # compiled.memory_analysis() fields reported per device, in bytes.
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
-# The memory kind of host offload: arrays in the host's pinned memory.
-HOST_KIND = offload.HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +90,15 @@ def _host_bytes(compiled: jax.stages.Compiled) -> tuple[int, int, int]:
     arguments among them, from their shardings (:func:`shard_bytes`)."""
     args = jax.tree.leaves(compiled.args_info)
     arg_shardings = jax.tree.leaves(compiled.input_shardings[0])
-    outs = jax.tree.leaves(getattr(compiled, "out_info", ()))
+    outs = jax.tree.leaves(compiled.out_info)
     arg, donated, out = 0, 0, 0
     for info, s in zip(args, arg_shardings):
-        if getattr(s, "memory_kind", None) == HOST_KIND:
-            aval = getattr(info, "aval", None) or info._aval  # ArgInfo keeps it private in jax 0.10
-            n = shard_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype), [s])
+        if offload.on_host(s):
+            n = shard_bytes(jax.ShapeDtypeStruct(info.shape, info.dtype), [s])
             arg += n
             donated += n if info.donated else 0
     for o in outs:
-        if getattr(o.sharding, "memory_kind", None) == HOST_KIND:
+        if offload.on_host(o.sharding):
             out += shard_bytes(o)
     return arg, out, min(donated, out)
 

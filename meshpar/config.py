@@ -21,8 +21,9 @@ from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
 from meshpar.models import MODELS
 from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
+from meshpar.schema import parse_yaml
 
-__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_dict", "load", "to_dict"]
+__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_dict", "load", "read", "to_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +32,11 @@ class DataConfig:
     # disk), text (byte-level windows of a directory of .py files; default the Python standard
     # library), tfds_text (byte-level windows of a tfds Text feature).
     source: Literal["synthetic", "tfds", "text", "tfds_text"] = "synthetic"
-    # synthetic: train / eval rows, input width ("pixels") and number of classes.
+    # synthetic: train / eval rows, input width ("pixels") and number of classes (labels are int32).
     num_examples: int = dataclasses.field(default=16384, metadata=at_least(1))
     num_eval_examples: int = dataclasses.field(default=2048, metadata=at_least(0))
     num_features: int = dataclasses.field(default=784, metadata=at_least(1))
-    num_classes: int = dataclasses.field(default=10, metadata=between(2, INT32_MAX))  # labels are int32
+    num_classes: int = dataclasses.field(default=10, metadata=between(2, INT32_MAX))
     # tfds: dataset name, offline data_dir (prepared as array_record), splits, and which
     # features become the fields `inputs` and `targets`.
     name: str = ""
@@ -68,7 +69,7 @@ class FeedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    # optax optimizer.
+    # The optax optimizer, and its learning rate (after warmup; the peak of a cosine schedule).
     name: Literal["adam", "adamw", "sgd", "lion"] = "adamw"
     learning_rate: float = dataclasses.field(default=1e-3, metadata=at_least(0.0))
     # Learning-rate schedule: constant, or cosine decay to 0 over decay_steps; both after warmup.
@@ -80,7 +81,7 @@ class OptimizerConfig:
     decay_steps: int = dataclasses.field(default=0, metadata=between(0, INT32_MAX))
     b1: float = 0.9  # adam/adamw/lion first moment; sgd momentum (0 = plain SGD)
     b2: float = 0.999  # adam/adamw/lion second moment
-    weight_decay: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
+    weight_decay: float = dataclasses.field(default=0.0, metadata=at_least(0.0))  # adamw/lion decoupled decay
     # Clip the global gradient norm to this (0 = no clipping).
     grad_clip_norm: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
 
@@ -96,6 +97,7 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    # Train up to this step; a resumed run continues from its checkpoint to it (0 steps left = done).
     steps: int = dataclasses.field(default=100, metadata=between(1, INT32_MAX))
     # Global batch size, summed over all devices and processes.
     batch_size: int = dataclasses.field(default=128, metadata=at_least(1))
@@ -153,8 +155,12 @@ class DistributedConfig:
     coordinator: str = ""
     # Seconds to wait for the coordinator and every peer to join before giving up.
     initialization_timeout: int = dataclasses.field(default=50, metadata=between(1, MAX_TIMEOUT_S))
-    # Seconds without a heartbeat after which a process counts as lost and the job stops.
-    heartbeat_timeout_seconds: int = dataclasses.field(default=20, metadata=between(1, MAX_TIMEOUT_S))
+    # Seconds without a heartbeat after which a process counts as lost and the job stops: every
+    # survivor ends with `training error: lost process K (no heartbeat for N s); last
+    # checkpoint: ...`, exit status 1 (meshpar's own check, from a thread: a long compile or
+    # checkpoint save is no silence). jax's own heartbeat timeout is set to 2 * (this + 10) as
+    # the backstop (meshpar.distributed).
+    heartbeat_timeout_seconds: int = dataclasses.field(default=10, metadata=between(1, MAX_TIMEOUT_S))
     # Seconds a process waits at exit for the others to reach their exit too.
     shutdown_timeout_seconds: int = dataclasses.field(default=30, metadata=between(1, MAX_TIMEOUT_S))
 
@@ -219,26 +225,31 @@ class CompileCacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Device mesh: "data:4,model:2", or a mapping; one axis may be -1 (= the remaining devices).
+    # Device mesh: "data:4,model:2", or Mesh TensorFlow's "data:4;model:2" (pairs separated by
+    # ';', ',', '.' or spaces), or a mapping; one axis may be -1 (= the remaining devices).
     mesh: tuple[tuple[str, int], ...] = (("data", -1),)
-    # Logical dim → mesh axis: "batch:data; hidden:model", or a mapping. Unnamed dims replicate.
+    # Logical dim → mesh axis: "batch:data; hidden:model" (separators as for the mesh), or a
+    # mapping. Unnamed dims replicate. A rule whose dim no tensor of the model has, or whose mesh
+    # axis the mesh lacks, is left out and said once on stderr at start, as Mesh TensorFlow
+    # ignores it (its default rules name ensemble and experts).
     layout: tuple[tuple[str, str], ...] = (("batch", "data"),)
     # Rules for parameters and optimizer state only, on top of `layout` (a dim named here
     # follows this rule, any other follows `layout`), e.g. "embed:data" splits them over the
     # data axis too (FSDP / ZeRO-3); each layer's weights are gathered where they are used.
-    # A dim may take several axes: "embed:(replica,data)".
+    # A dim may take several axes: "embed:(replica,data)". Rules that cannot apply are left out
+    # as for `layout`, but a param_layout that splits no parameter at all is an error.
     param_layout: tuple[tuple[str, str], ...] = ()
     model: Any = None  # one of the dataclasses in meshpar.models.MODELS, picked by model.name
-    data: DataConfig = DataConfig()
-    feed: FeedConfig = FeedConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    train: TrainConfig = TrainConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    distributed: DistributedConfig = DistributedConfig()
-    hardware: HardwareConfig = HardwareConfig()
-    plan: PlanConfig = PlanConfig()
-    offload: OffloadConfig = OffloadConfig()
-    compile_cache: CompileCacheConfig = CompileCacheConfig()
+    data: DataConfig = DataConfig()  # where examples come from
+    feed: FeedConfig = FeedConfig()  # how batches reach the devices: direct or routed, prefetch
+    optimizer: OptimizerConfig = OptimizerConfig()  # optimizer, learning-rate schedule, clipping
+    train: TrainConfig = TrainConfig()  # steps, batch, seed, logging, eval, microbatches, profiling
+    checkpoint: CheckpointConfig = CheckpointConfig()  # saving, rotation and resuming
+    distributed: DistributedConfig = DistributedConfig()  # joining the processes of a multi-process run
+    hardware: HardwareConfig = HardwareConfig()  # peak TFLOP/s (for MFU) and memory per device
+    plan: PlanConfig = PlanConfig()  # the memory pre-flight before a run allocates anything
+    offload: OffloadConfig = OffloadConfig()  # host offload of optimizer state, parameters, activations
+    compile_cache: CompileCacheConfig = CompileCacheConfig()  # JAX's persistent compilation cache
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
 
@@ -413,9 +424,9 @@ def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
     With the config's own mesh a -1 axis is not known yet and is skipped: call this again with
     the built mesh's shape (``dict(mesh.shape)``), where a -1 axis has its size.
     """
-    axes = dict(cfg.layout).get("batch")
+    axes = dict(layout_lib.on_mesh(cfg.layout, mesh_shape)).get("batch")  # an absent axis splits nothing
     names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    sizes = [mesh_shape.get(a, -1) for a in names]
+    sizes = [mesh_shape[a] for a in names]
     if any(n <= 0 for n in sizes):
         return
     n, batch, k = math.prod(sizes), cfg.train.batch_size, cfg.train.microbatches
@@ -439,7 +450,9 @@ def _is_key(cfg: Config, key: str) -> bool:
 
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
-    """Apply ``section.key=value`` strings; values are parsed as YAML (``[512,256]``, ``true``)."""
+    """Apply ``section.key=value`` strings in order; values are parsed as YAML (``[512,256]``,
+    ``true``). A key given twice takes its last value, as in every CLI (a duplicate inside a file
+    is an error instead: see :func:`read`)."""
     raw = dict(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -448,7 +461,9 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
         # ValueError too: PyYAML's constructors let it through for `2001-13-45`, `!!int x`, or an
         # integer over Python's 4300-digit limit.
         try:
-            value = yaml.safe_load(text)
+            value = parse_yaml(text, f"the override {key.strip()}=...")
+        except ConfigError as e:  # a key twice inside the value, {a: 1, a: 2}
+            raise ConfigError(f"{key.strip()}.{e.key}", str(e).partition(": ")[2]) from None
         except (yaml.YAMLError, ValueError) as e:
             raise ConfigError(key, f"value {text!r} is not valid YAML ({str(e).splitlines()[0]})") from None
         node = raw
@@ -465,8 +480,10 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     return raw
 
 
-def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
-    """Read YAML at `path` (safe loader: no Python objects), apply overrides, validate."""
+def read(path: str | pathlib.Path) -> dict:
+    """The mapping a config file holds, before overrides and validation: YAML read with the safe
+    loader (no Python objects), a key that appears twice in one mapping refused (see
+    meshpar.schema.parse_yaml). An empty file is {}."""
     path = pathlib.Path(path)
     try:
         text = path.read_text()
@@ -477,7 +494,9 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
     except UnicodeDecodeError as e:  # a ValueError, not an OSError: e.g. a binary file
         raise ConfigError("config", f"cannot read {path}: not {e.encoding} text ({e.reason} at byte {e.start})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text, str(path))
+    except ConfigError:  # a key twice in one mapping: already one line naming the key
+        raise
     except (yaml.YAMLError, ValueError) as e:  # ValueError: see apply_overrides
         raise ConfigError("config", f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     # Only an empty file means {}: a top-level list or scalar must not reach apply_overrides'
@@ -486,7 +505,13 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("config", f"expected a mapping at the top level of {path}, got {describe(raw)}")
-    return from_dict(apply_overrides(raw, overrides))
+    return dict(raw)
+
+
+def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
+    """Read the config file at `path` (:func:`read`), apply `overrides` in order (a key given
+    twice takes its last value, as in every CLI), validate."""
+    return from_dict(apply_overrides(read(path), overrides))
 
 
 def to_dict(cfg: Config) -> dict:

@@ -11,7 +11,8 @@ exchanges every process's devices through the coordinator), all within
   (:mod:`meshpar.stop`), so SIGTERM is meshpar's alone.
 - ``initialization_timeout``, ``heartbeat_timeout_seconds`` and ``shutdown_timeout_seconds``
   come from the ``distributed`` config section (jax's defaults, 300/100/300 s, would leave a
-  survivor waiting minutes for a dead peer). The CPU client's own waits for the other
+  survivor waiting minutes for a dead peer); inside :func:`stop_together` jax's heartbeat
+  timeout is a backstop behind meshpar's own check (below). The CPU client's own waits for the other
   processes' devices (``jax_cpu_get_{local,global}_topology_timeout_minutes``, whole minutes,
   0 = fail at once) are set just above the deadline.
 - When the coordinator cannot be reached, a peer never comes, or a peer joins but never
@@ -25,8 +26,7 @@ exchanges every process's devices through the coordinator), all within
 process. Without it, a process that fails after the others joined (e.g. a ``data error:``
 from its own ``data.corpus_dir``) exits, and the others wait in their next collective until
 the heartbeat timeout aborts them from C++. Through the coordination service's key-value
-store (jax has no public API for it in 0.10 or 0.12: ``jax._src.distributed.global_state.client``
-is what ``jax.distributed.initialize`` creates, and what orbax uses too):
+store (:func:`meshpar.jax_compat.coordination_client`: jax has no public API for it):
 
 - every process has a mailbox key, ``meshpar/stop_together/<process>``, on which a daemon
   watcher thread blocks;
@@ -46,19 +46,23 @@ is what ``jax.distributed.initialize`` creates, and what orbax uses too):
   watcher, and joins it: no watcher is left inside an RPC at interpreter exit (on Python
   3.12 that aborts the process).
 
-What is left to jax (measured with jax 0.10.2 and 0.12 on CPU/gloo; tests/test_distributed.py):
+A lost peer (killed outright: SIGKILL, the OOM killer, a lost machine) cannot tell anyone,
+and jax would abort every survivor (134, a C++ stack trace) only after its heartbeat timeout.
+meshpar's own liveness check (:mod:`meshpar.liveness`: heartbeats through the same store,
+from threads of their own) finds it first: process 0 tells every other survivor as above,
+prints ``training error: lost process K (no heartbeat for N s); last checkpoint: step S in
+DIR`` (the newest committed step in the checkpoint folder; the others add ``(on process 0)``),
+and every survivor exits with status 1, process 0 last. gloo does fail a collective at once
+when it was reading from the lost peer's connection (``Connection reset by peer``, seen with 4
+processes): a process whose jax runtime fails first looks whether a peer's heartbeat stands
+still, and if one does waits (the timeout and a few seconds at most) for process 0's verdict,
+so that the lost process is named rather than the collective error it caused.
 
-- A peer killed outright (SIGKILL, the OOM killer) cannot tell anyone. Its TCP connections
-  close, but gloo does not report it: the survivors' collectives wait until the coordination
-  service misses the dead process's heartbeats (``heartbeat_timeout_seconds``, default 20 s:
-  12-15 s measured; jax's default of 100 s took ~80 s) and every survivor's error-polling
-  thread calls ``LOG(FATAL)``: exit 134 (SIGABRT) with jax's "Terminating process because the
-  JAX distributed service detected fatal errors" message and a stack trace. When process 0
-  (the coordination service) is the one killed, the others end within a second: usually
-  the watcher's read fails first and prints ``training error: lost the coordination service
-  (process 0): ...`` (exit 1), else jax's abort (134) wins the race.
-- A peer that is alive but hung (not failing) is not detected at all: the others wait in the
-  collective, as in any SPMD program.
+When process 0 (the coordination service) is the one killed, the others end within a second:
+usually the watcher's read fails first and prints ``training error: lost the coordination
+service (process 0): ...; last checkpoint: ...`` (exit 1), else jax's abort (134) wins the race.
+A peer that is alive but hung (its Python still beating) is not detected at all: the others
+wait in the collective, as in any SPMD program.
 """
 
 from __future__ import annotations
@@ -76,8 +80,11 @@ import time
 
 import jax
 
+from meshpar import liveness
 from meshpar.config import DistributedConfig
 from meshpar.errors import DistributedError, TrainingError, describe
+from meshpar.jax_compat import coordination_client
+from meshpar.rundir import committed_steps
 from meshpar.stop import Interrupted
 
 # <_KEY>/<process>: its mailbox; <_KEY>/ack/<process>: it heard a failure; <_KEY>/gone/<process>: it is leaving
@@ -155,13 +162,15 @@ def _startup_failure(cfg: DistributedConfig, phase: str) -> str:
             f"a process never came, or that address is not process 0's coordinator")
 
 
-def join(cfg: DistributedConfig) -> None:
+def join(cfg: DistributedConfig, checkpoint_dir: str | None = None) -> None:
     """Connect this process to the others and start the backend (before any other JAX call).
 
     Raises DistributedError (one line) when jax refuses the settings; ends the process with
     one line and exit status 2 when the others cannot be reached in time (see module doc).
     CPU devices of different processes exchange collectives over gloo; accelerators use
-    their own (NCCL on GPU), so the setting is harmless there.
+    their own (NCCL on GPU), so the setting is harmless there. Inside :func:`stop_together`,
+    meshpar watches for lost processes itself (`checkpoint_dir`: where the line it ends with
+    looks for the last checkpoint) and jax's heartbeat timeout becomes the backstop.
     """
     jax.config.update("jax_enable_preemption_service", False)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -174,7 +183,10 @@ def join(cfg: DistributedConfig) -> None:
             jax.distributed.initialize(
                 cfg.coordinator or None, cfg.num_processes, None if cfg.process_id < 0 else cfg.process_id,
                 initialization_timeout=cfg.initialization_timeout + _BACKSTOP_S,
-                heartbeat_timeout_seconds=cfg.heartbeat_timeout_seconds,
+                heartbeat_timeout_seconds=(
+                    cfg.heartbeat_timeout_seconds if _together is None
+                    else liveness.jax_heartbeat_timeout(cfg.heartbeat_timeout_seconds)
+                ),
                 shutdown_timeout_seconds=cfg.shutdown_timeout_seconds,
             )
         except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no cluster detected, joined twice
@@ -182,7 +194,8 @@ def join(cfg: DistributedConfig) -> None:
             raise DistributedError(f"cannot join the other processes: {_one_line(e)} ({keys})") from None
         phase = "backend"
         if _together is not None:
-            _together.start()  # before the backend: a peer failing from here on is heard
+            # Before the backend: a peer failing (or lost) from here on is heard.
+            _together.start(cfg.heartbeat_timeout_seconds, checkpoint_dir)
         try:
             jax.devices()
         except RuntimeError as e:
@@ -194,13 +207,6 @@ def join(cfg: DistributedConfig) -> None:
 # Stopping together
 
 
-def _client():
-    # No public API exposes the coordination service's key-value store (jax 0.10, 0.12).
-    from jax._src.distributed import global_state
-
-    return global_state.client
-
-
 def agree(name: str, value, combine, timeout_s: float = 600):
     """`combine` of every process's `value` (JSON-able), exchanged through the coordination
     service's key-value store (each process posts its own, then reads all); `value` itself in a
@@ -208,7 +214,7 @@ def agree(name: str, value, combine, timeout_s: float = 600):
     peer has not posted within `timeout_s`."""
     if jax.process_count() == 1:
         return value
-    client = _client()
+    client = coordination_client()
     prefix = f"meshpar/agree/{name}"
     try:
         client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
@@ -222,26 +228,40 @@ def agree(name: str, value, combine, timeout_s: float = 600):
 
 
 class _Together:
-    """The watcher of this process's mailbox, and the failure report to the others."""
+    """The watcher of this process's mailbox, the failure report to the others, and the
+    liveness check (heartbeats on every process but 0, their monitor on process 0)."""
 
     def __init__(self) -> None:
         self.client = None
         self.process = 0
         self.num_processes = 1
         self.thread: threading.Thread | None = None
+        self.liveness: threading.Thread | None = None
         self.quiet = threading.Event()  # set once this process is finishing or failing itself
+        self.finished = threading.Event()  # set when this process's command is over: heartbeats stop
+        self.lock = threading.Lock()  # who decides how this process ends: see _claim
+        self.lost: set[int] = set()  # processes found lost: nobody waits for them
+        self.lost_after = 0.0  # heartbeat_timeout_seconds; 0 = no liveness check
+        self.period = 1.0  # of the heartbeats, and of the monitor's reads
+        self.checkpoint_dir: str | None = None
         self.exit_status: int | None = None
         self.handlers: dict = {}  # signal -> the handler before ours
 
-    def start(self) -> None:
-        self.client = _client()
+    def start(self, lost_after: float = 0, checkpoint_dir: str | None = None) -> None:
+        self.client = coordination_client()
         if self.client is None:
             return
         self.process, self.num_processes = jax.process_index(), jax.process_count()
+        self.checkpoint_dir = checkpoint_dir
         # Registered after jax's own atexit hook (jax is imported above), so it runs first.
         atexit.register(self._exit_after_failure)
         self.thread = threading.Thread(target=self._watch, name="meshpar-stop-together", daemon=True)
         self.thread.start()
+        if lost_after > 0 and self.num_processes > 1:
+            self.lost_after, self.period = lost_after, liveness.period(lost_after)
+            beat = self._monitor if self.process == 0 else self._beat
+            self.liveness = threading.Thread(target=beat, name="meshpar-liveness", daemon=True)
+            self.liveness.start()
         if threading.current_thread() is threading.main_thread():
             # Outside the train loop (which takes them over and stops at a step every process
             # agrees on) SIGINT/SIGTERM stop this process at once, and it tells the others.
@@ -256,37 +276,120 @@ class _Together:
     def _mailbox(self, process: int) -> str:
         return f"{_KEY}/{process}"
 
+    def _claim(self) -> bool:
+        """Whether the caller is the first to end this process after a failure (here or
+        elsewhere), or to finish it: every other path then stays quiet."""
+        with self.lock:
+            if self.quiet.is_set():
+                return False
+            self.quiet.set()
+            return True
+
+    def _last_checkpoint(self) -> str:
+        """Where a rerun with ``--resume`` would start: the newest committed step on disk."""
+        if not self.checkpoint_dir:
+            return "last checkpoint: none"
+        try:
+            steps = committed_steps(self.checkpoint_dir)
+        except OSError:
+            steps = []
+        return f"last checkpoint: {f'step {steps[-1]}' if steps else 'none'} in {self.checkpoint_dir}"
+
     def _watch(self) -> None:
         while True:
+            asked = time.monotonic()
             try:
                 value = self.client.blocking_key_value_get(self._mailbox(self.process), _POLL_MS)
-            except Exception as e:  # noqa: BLE001 — jax's JaxRuntimeError; the text says which
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue
-                if self.quiet.is_set():
+            except Exception as e:  # noqa: BLE001 — jax's JaxRuntimeError
+                if time.monotonic() - asked >= _POLL_MS / 1000:
+                    continue  # the read timed out (jax gives no public status code to tell by)
+                if not self._claim():
                     return
                 # The coordination service failed, or is gone with process 0; jax's error poller
                 # is ending this process too, with a stack trace. Say it in one line first.
                 status = (str(e).strip() or type(e).__name__).splitlines()[0]  # gRPC details follow
                 what = "lost the coordination service (process 0)" if self.process else "the coordination service failed"
-                _exit_now(describe(TrainingError(f"{what}: {status}"))[0], 1)
+                _exit_now(describe(TrainingError(f"{what}: {status}; {self._last_checkpoint()}"))[0], 1)
                 return
             if value == _DONE:
                 return
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{_KEY}/ack/{self.process}", "1")
-            if self.quiet.is_set():
+            if not self._claim():
                 return  # this process is ending anyway and reports its own outcome
             report = json.loads(value)
             self._leave(int(report["status"]), f"{report['line']} (on process {report['process']})")
 
-    def fail(self, line: str, status: int) -> None:
-        """Tell every other process that this one failed; wait briefly until they heard."""
-        self.quiet.set()
+    # ------------------------------------------------------------------------------------------
+    # Liveness
+
+    def _beat(self) -> None:
+        """Every process but 0: the heartbeat, until this process's command is over."""
+        liveness.beat(self.client, self.process, self.period, self.finished)
+
+    def _monitor(self) -> None:
+        """Process 0: end every process once another one is lost."""
+        silence = liveness.Silence(list(range(1, self.num_processes)), self.lost_after, time.monotonic())
+        while silence.watching() and not self.finished.wait(self.period):
+            now = time.monotonic()
+            try:
+                lost = silence.update(liveness.read(self.client), now)
+            except Exception:  # noqa: BLE001 — this process is ending (the service shuts down with it)
+                return
+            if lost:
+                self._report_lost(lost, silence.silent_for(lost, now))
+                return
+
+    def _report_lost(self, lost: list[int], silent: float) -> None:
+        """Process 0: tell every other survivor, say it, and end (the others first)."""
+        if not self._claim():
+            return  # this process is already ending, for its own reason or another's
+        self.lost.update(lost)
+        who = f"process {lost[0]}" if len(lost) == 1 else f"processes {', '.join(map(str, lost))}"
+        line = describe(TrainingError(f"lost {who} (no heartbeat for {silent:.0f} s); {self._last_checkpoint()}"))[0]
+        self._tell_others(line, 1)
+        self._leave(1, line)
+
+    # ------------------------------------------------------------------------------------------
+    # Failing, finishing, leaving
+
+    def _a_peer_stands_still(self) -> bool:
+        peers = [k for k in range(1, self.num_processes) if k != self.process]
+        try:
+            return liveness.one_stands_still(self.client, peers, self.period)
+        except Exception:  # noqa: BLE001 — the service is gone with process 0: the watcher says so
+            return False
+
+    def fail(self, line: str, status: int, runtime_error: bool = False) -> None:
+        """Tell every other process that this one failed; wait briefly until they heard.
+
+        `runtime_error`: jax's runtime failed (e.g. a collective). gloo fails a collective at
+        once when a peer's connection drops, so when a peer's heartbeat stands still this waits
+        (``heartbeat_timeout_seconds`` and a few seconds at most) for process 0's verdict: the
+        lost process is named, rather than the collective error it caused."""
+        if runtime_error and self.liveness is not None and self._a_peer_stands_still():
+            self.quiet.wait(self.lost_after + 2 * self.period + _ACK_S)
+        if not self._claim():
+            # A peer's failure or a lost process is ending this process already (os._exit, in
+            # a few seconds at most): its report is the one the others get.
+            time.sleep(4 * _ACK_S)
+            return
+        told = self._tell_others(line, status)
+        self.stop()
+        if told:
+            # The others leave through os._exit, never reaching jax's shutdown barrier: waiting
+            # there for them would end in an abort after shutdown_timeout_seconds. (When every
+            # other process had already finished, they are waiting at that barrier: a normal
+            # exit lets them all leave cleanly.)
+            self.exit_status = status
+
+    def _tell_others(self, line: str, status: int) -> list[int]:
+        """Post ``{process, line, status}`` into every other survivor's mailbox and wait (5 s
+        at most) for each to acknowledge. Returns those posted to."""
         report = json.dumps({"process": self.process, "line": line, "status": status})
         told = []
         for k in range(self.num_processes):
-            if k == self.process:
+            if k == self.process or k in self.lost:
                 continue
             try:
                 self.client.key_value_set(self._mailbox(k), report)
@@ -300,17 +403,16 @@ class _Together:
                 self.client.blocking_key_value_get(f"{_KEY}/ack/{k}", max(1, int(left * 1000)))
             except Exception:  # noqa: BLE001 — gone, or stuck: it ends by the heartbeat timeout
                 break
-        self.stop()
-        if told:
-            # The others leave through os._exit, never reaching jax's shutdown barrier: waiting
-            # there for them would end in an abort after shutdown_timeout_seconds. (When every
-            # other process had already finished, they are waiting at that barrier: a normal
-            # exit lets them all leave cleanly.)
-            self.exit_status = status
+        return told
 
     def stop(self) -> None:
-        """Wake this process's watcher and wait for it."""
+        """This process's command is over: stop the heartbeat (saying ``done``), wake the
+        mailbox watcher and wait for both."""
         self.quiet.set()
+        self.finished.set()
+        if self.liveness is not None and self.liveness is not threading.current_thread():
+            self.liveness.join(timeout=10)  # a heartbeat writes DONE as it stops
+            self.liveness = None
         if self.thread is None:
             return
         with contextlib.suppress(Exception):  # a report got there first: the watcher reads that instead
@@ -337,6 +439,8 @@ class _Together:
             if self.process == 0:
                 deadline = time.monotonic() + 2 * _ACK_S
                 for k in range(1, self.num_processes):
+                    if k in self.lost:
+                        continue
                     left = max(1, int((deadline - time.monotonic()) * 1000))
                     self.client.blocking_key_value_get(f"{_KEY}/gone/{k}", left)
                 time.sleep(0.1)  # the last one is between saying so and its exit
@@ -392,7 +496,7 @@ def stop_together():
         if together.thread is None:
             raise
         line, status = _failure(e)
-        together.fail(line, status)
+        together.fail(line, status, runtime_error=isinstance(e, jax.errors.JaxRuntimeError))
         if isinstance(e, _StoppedAtOnce):
             print(line, file=sys.stderr)
             raise SystemExit(status) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 
 import jax
 import optax
@@ -88,7 +89,7 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
             pass  # backend already started (e.g. in-process tests); build_mesh reports a shortfall
     # else: on accelerators the share does not matter; on CPU build_mesh names the shortfall
     if processes > 1:
-        distributed.join(cfg.distributed)  # before any other JAX call: it starts the backend
+        distributed.join(cfg.distributed, cfg.checkpoint_dir)  # before any other JAX call: it starts the backend
     with _config_key("mesh", mesh_lib.MeshError):
         return mesh_lib.build_mesh(cfg.mesh)
 
@@ -123,14 +124,52 @@ def plan_model(
     params_layout = layout.overlay(cfg.param_layout)
     with _config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
         _, abstract_params = trainer.abstract_model(build_model)
+    check_param_layout(cfg, mesh, trainer.param_dim_names(abstract_params))
     with _config_key("param_layout" if cfg.param_layout else "layout", layout_lib.LayoutError):
         trainer.check_params(abstract_params, params_layout)  # before any sharding is made of them
         plan = trainer.plan_state(build_model, tx, cfg.train.seed, params_layout, mesh)
     off = cfg.offload
     plan = dataclasses.replace(plan, shardings=offload_lib.place_state(plan.shardings, off.optimizer, off.params))
     with _config_key("layout", layout_lib.LayoutError):
-        trainer.check_activations(plan, layout, mesh, abstract_batch(cfg, element_spec))
-    return tx, plan
+        dims = trainer.check_activations(plan, layout, mesh, abstract_batch(cfg, element_spec))
+    return tx, dataclasses.replace(plan, dims=dims | trainer.param_dim_names(abstract_params))
+
+
+def check_param_layout(cfg: Config, mesh: jax.sharding.Mesh, param_dims: frozenset[str]) -> None:
+    """A ``param_layout`` none of whose rules splits a parameter (its dims are no parameter's,
+    or its axes not the mesh's) is a ConfigError: the FSDP it asks for would silently not happen."""
+    if cfg.param_layout and not layout_lib.applies(cfg.param_layout, mesh.axis_names, param_dims):
+        why = layout_lib.unused(cfg.param_layout, mesh.axis_names, param_dims, "this model's parameters have no dim")
+        raise ConfigError(
+            "param_layout",
+            f"none of its rules applies to a parameter, so it would split nothing ({why}; "
+            f"the parameters' dims: {', '.join(sorted(param_dims))})",
+        )
+
+
+def unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> list[str]:
+    """One line for ``layout`` and one for ``param_layout`` (only where there is something to
+    say) naming their rules that cannot apply: dims the model's tensors (the parameters', for
+    ``param_layout``) do not have, mesh axes the mesh does not have. Not an error: Mesh
+    TensorFlow's shared rule strings name dims a model may lack, and it ignores them too."""
+    param_dims = trainer.param_dim_names(plan.abstract.params)
+    sets = (
+        ("layout", cfg.layout, plan.dims, "this model has no dim"),
+        ("param_layout", cfg.param_layout, param_dims, "this model's parameters have no dim"),
+    )
+    lines = []
+    for key, rules, dims, no_dim in sets:
+        why = layout_lib.unused(rules, mesh.axis_names, dims, no_dim)
+        if why:
+            lines.append(f"{key}: unused rules ({why})")
+    return lines
+
+
+def say_unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> None:
+    """Print :func:`unused_rules` on stderr (from the first process only)."""
+    if jax.process_index() == 0:
+        for line in unused_rules(cfg, mesh, plan):
+            print(line, file=sys.stderr, flush=True)
 
 
 def build(cfg: Config) -> Experiment:
@@ -154,6 +193,7 @@ def build(cfg: Config) -> Experiment:
     # The schedule's horizon does not change the optimizer state's structure: the state is
     # planned with this run's horizon, and the step is built with the restored run's.
     tx, plan = plan_model(cfg, mesh, layout, inputs.element_spec, record["decay_steps"])
+    say_unused_rules(cfg, mesh, plan)
     shardings, microbatches, activations = plan.shardings, cfg.train.microbatches, cfg.offload.activations
     train_step = trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches, activations
@@ -178,7 +218,8 @@ def build(cfg: Config) -> Experiment:
             train_step = trainer.make_train_step(
                 plan.graphdef, tx, layout, mesh, shardings, inputs.shardings, microbatches, activations
             )
-            compiled.pop("train step")  # compiled for the other horizon
+            # The pre-flight's step (only there with plan.check) was compiled for the other horizon.
+            compiled.pop("train step", None)
     else:
         state = plan.materialize(layout, mesh)
     eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)

@@ -10,6 +10,7 @@ from input_pipeline.batching import HostLoader
 from input_pipeline.feeding import FEEDERS, Feeder, process_rows
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
+from input_pipeline.tfds_source import name_problem as tfds_name_problem  # tfds itself loads only with a source
 from meshpar.config import Config, ConfigError, DataConfig
 from meshpar.layout import Layout
 
@@ -38,6 +39,10 @@ class Inputs:
 
 def make_source(data: DataConfig, split: str, seed: int):
     """The source for the train split (``split="train"``) or the eval split (``"eval"``); None if absent."""
+    if data.source in ("tfds", "tfds_text"):
+        problem = tfds_name_problem(data.name)
+        if problem:  # e.g. a path: error lines must never show folders outside data_dir
+            raise ConfigError("data.name", problem)
     if data.source == "synthetic":
         n = data.num_examples if split == "train" else data.num_eval_examples
         return SyntheticSource(n, data.num_features, data.num_classes, seed, split) if n else None

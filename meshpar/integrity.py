@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from meshpar import offload
+
 MANIFEST = "meshpar_manifest.json"
 # Written by orbax when it commits the step, after the manifest: not part of it.
 _COMMIT_FILES = {"_CHECKPOINT_METADATA", "commit_success.txt", MANIFEST}
@@ -139,7 +141,7 @@ def _spread(x: Any) -> tuple[NamedSharding | None, bool]:
     whether x lives in pinned host memory (offload), from where it is first moved to the
     devices: one operation cannot mix memory kinds, and the digest is computed on the devices."""
     s = getattr(x, "sharding", None)
-    host = getattr(s, "memory_kind", None) == "pinned_host"
+    host = offload.on_host(s)
     if not isinstance(s, NamedSharding) or any(t != AxisType.Auto for t in s.mesh.axis_types):
         return (s.with_memory_kind("device") if host else None), host
     spec = [p if isinstance(p, tuple) else (p,) if p else () for p in s.spec] + [()] * (x.ndim - len(s.spec))

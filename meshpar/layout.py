@@ -5,6 +5,12 @@ Mesh TensorFlow's layouts, in JAX. Every tensor carries a tuple of logical dimen
 mesh axes. A name without a rule is replicated. The model never sees an axis name: it asks
 for ``spec(dims)`` (or calls :func:`constrain`) and the layout answers.
 
+Mesh TensorFlow's rule strings are read verbatim (``"batch:b1;hidden:b2"``, separated by ``;``,
+``,``, ``.`` or spaces; see :func:`meshpar.mesh.split_pairs`), and, as there, a rule may name a
+dim no tensor has or a mesh axis the mesh lacks: one rule string serves many models and
+meshes. A rule's absent axes are left out when specs are built (the rule is dropped when it
+names no other); :func:`unused` says, in one line, what of a rule set cannot apply.
+
 A dim may be split over several mesh axes at once, ``batch:(replica,data)``: its
 PartitionSpec entry is ``("replica", "data")``, so it is split ``replica × data`` ways, the
 first axis major. A second rule set on top of a layout (:meth:`Layout.overlay`) gives the
@@ -18,10 +24,10 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 # meshpar.mesh first: it makes sure a bad JAX_NUM_CPU_DEVICES cannot break `import jax`.
-from meshpar.mesh import name_problem, show_name  # isort: skip
+from meshpar.mesh import name_problem, show_name, split_pairs  # isort: skip
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -50,23 +56,6 @@ def _axis_names(axes: Axes) -> tuple:
     return axes if isinstance(axes, tuple) else (axes,)
 
 
-def _split_rules(text: str) -> list[str]:
-    """Split on ``;`` and ``,``, except for the ``,`` between a rule's parentheses."""
-    rules, depth, current = [], 0, ""
-    for ch in text:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth < 0 or depth > 1:
-            raise LayoutError(f"rules {text!r} have unbalanced or nested parentheses")
-        if ch in ";," and depth == 0:
-            rules.append(current)
-            current = ""
-        else:
-            current += ch
-    if depth:
-        raise LayoutError(f"rules {text!r} have an unclosed parenthesis")
-    return [*rules, current]
-
-
 def _parse_axes(text: str) -> Axes:
     """``data`` → ``"data"``; ``(replica, data)`` → ``("replica", "data")``; ``(data)`` → ``"data"``."""
     text = text.strip()
@@ -79,9 +68,11 @@ def _parse_axes(text: str) -> Axes:
 def parse_rules(rules: Rules) -> tuple[tuple[str, Axes], ...]:
     """``"batch:data; hidden:model"`` (or ``{"batch": "data"}``, or parsed pairs) → ``(("batch", "data"), ...)``.
 
-    Rules are separated by ``;`` (Mesh TensorFlow's separator) or ``,``. A dim split over several
-    mesh axes names them in parentheses, ``batch:(replica,data)`` (a mapping may give a list),
-    and parses to ``("batch", ("replica", "data"))``.
+    Rules are separated by ``;``, ``,``, ``.`` or spaces, as in Mesh TensorFlow (``"batch:b1;d_ff:b2"``;
+    see :func:`meshpar.mesh.split_pairs`); spaces around a rule's colon belong to the rule. A dim
+    split over several mesh axes names them in parentheses, ``batch:(replica,data)`` (a mapping
+    may give a list), and parses to ``("batch", ("replica", "data"))``. Whether an axis exists is
+    not checked here (see :meth:`Layout.create`).
     """
     if rules is None:
         return ()
@@ -97,12 +88,14 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, Axes], ...]:
                 pairs.append((str(k).strip(), _parse_axes(str(v))))
     elif isinstance(rules, str):
         pairs = []
-        for rule in _split_rules(rules):
-            if not rule.strip():
-                continue
+        try:
+            texts = split_pairs(rules)
+        except ValueError as e:
+            raise LayoutError(f"rules {rules!r} have {e}") from None
+        for rule in texts:
             dim, sep, axis = rule.partition(":")
             if not sep or ":" in axis:
-                raise LayoutError(f"rule {rule.strip()!r} is not 'dim:axis'")
+                raise LayoutError(f"rule {rule!r} is not 'dim:axis' (rules are separated by ';', ',', '.' or spaces)")
             pairs.append((dim.strip(), _parse_axes(axis)))
     else:
         raise LayoutError(f"expected a string like 'batch:data; hidden:model' or a mapping, got {type(rules).__name__}")
@@ -130,6 +123,36 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, Axes], ...]:
     return tuple(pairs)
 
 
+def on_mesh(rules: Rules, axis_names: Collection[str]) -> tuple[tuple[str, Axes], ...]:
+    """The `rules` that can apply on a mesh with axes `axis_names`: each without the axes the mesh
+    lacks, and without the rules left with none."""
+    out = []
+    for dim, axes in parse_rules(rules):
+        kept = tuple(a for a in _axis_names(axes) if a in axis_names)
+        if kept:
+            out.append((dim, kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+def unused(
+    rules: Rules, axis_names: Collection[str], dims: Collection[str], no_dim: str = "this model has no dim"
+) -> str | None:
+    """What in `rules` cannot apply to tensors whose dims are `dims` on a mesh with axes
+    `axis_names`, in words (``this model has no dim experts, ensemble; the mesh has no axis
+    ensemble``), or None when every rule can. `no_dim` opens the first part."""
+    parsed = parse_rules(rules)
+    dims_missing = [d for d, _ in parsed if d not in dims]
+    axes_missing = list(dict.fromkeys(a for _, axes in parsed for a in _axis_names(axes) if a not in axis_names))
+    parts = [f"{no_dim} {', '.join(dims_missing)}"] if dims_missing else []
+    parts += [f"the mesh has no axis {', '.join(axes_missing)}"] if axes_missing else []
+    return "; ".join(parts) or None
+
+
+def applies(rules: Rules, axis_names: Collection[str], dims: Collection[str]) -> bool:
+    """Whether some rule of `rules` splits a dim in `dims` on a mesh with axes `axis_names`."""
+    return any(dim in dims for dim, _ in on_mesh(rules, axis_names))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Layout rules checked against a mesh shape (``{"data": 4, "model": 2}``)."""
@@ -142,13 +165,11 @@ class Layout:
 
     @classmethod
     def create(cls, rules: Rules, axis_sizes: Mapping[str, int], params: Rules = None) -> Layout:
-        parsed, param_rules = parse_rules(rules), parse_rules(params)
-        for dim, axes in (*parsed, *param_rules):
-            for axis in _axis_names(axes):
-                if axis not in axis_sizes:
-                    known = ", ".join(repr(a) for a in axis_sizes)
-                    raise LayoutError(f"dim {dim!r} is mapped to unknown mesh axis {axis!r} (mesh axes: {known})")
-        return cls(parsed, tuple(axis_sizes.items()), param_rules)
+        """`rules` (and `params`, the ``param_layout``) on a mesh of `axis_sizes`. A mesh axis the
+        mesh lacks is left out of its rule, and a rule left with no axis is dropped, as Mesh
+        TensorFlow ignores rules whose mesh axis is absent (``batch:(replica,data)`` on a mesh
+        without ``replica`` is ``batch:data``): :func:`unused` reports them."""
+        return cls(on_mesh(rules, axis_sizes), tuple(axis_sizes.items()), on_mesh(params, axis_sizes))
 
     @property
     def params(self) -> Layout:
@@ -219,6 +240,8 @@ class Layout:
 _ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar("meshpar_layout", default=None)
 # Whether the parameters the traced model is given live in pinned host memory (offload.params).
 _PARAMS_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_params_on_host", default=False)
+# The dims `constrain` has placed within `recording()`: the names a traced model's tensors carry.
+_SEEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("meshpar_seen_dims", default=None)
 
 
 @contextlib.contextmanager
@@ -232,6 +255,18 @@ def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> Iterat
     finally:
         _PARAMS_ON_HOST.reset(host)
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """Within this block, the name of every dim that :func:`constrain` places (under
+    :func:`activate`, so every parameter the model uses and every activation it constrains) is
+    added to the set this yields: the dims a model traced in the block has."""
+    token = _SEEN.set(set())
+    try:
+        yield _SEEN.get()
+    finally:
+        _SEEN.reset(token)
 
 
 def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
@@ -267,5 +302,8 @@ def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.update(d for d in dims if d is not None)
     layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
     return jax.lax.with_sharding_constraint(x, layout.sharding(mesh, dims))

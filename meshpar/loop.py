@@ -20,6 +20,9 @@ digests and eval run at sync steps only, with no train step in flight.
 - **The NaN guard** checks every step's loss and gradient norm in step order, so the first
   non-finite step is the one named; a sync step is checked before its state is saved, so a
   non-finite state is never saved.
+- **Settings that cannot take effect as written** (a ``train.profile`` window past the run,
+  ``train.eval_batches`` beyond the eval split) are said before the first step, one line each
+  on stderr (:func:`notices`), with what is done instead.
 - **Input batches**: a batch is dropped once its step is dispatched; its device buffers stay
   alive until that step has run, so while one step runs and the next is placed, one more batch
   than ``feed.prefetch + 1`` may occupy device memory.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from typing import Any
 
@@ -70,6 +74,41 @@ def evaluate(exp: Experiment, state) -> dict[str, float]:
         batch, _ = exp.inputs.eval_feeder.place(exp.inputs.eval.batch(i))
         rows.append(jax.device_get(exp.eval_step(state.params, batch)))
     return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+# The config key that, when zero or empty, leaves a data source without an eval split.
+_EVAL_SPLIT_KEY = {"synthetic": "data.num_eval_examples", "tfds": "data.eval_split", "tfds_text": "data.eval_split",
+                   "text": "data.eval_fraction"}
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}..{last}"
+
+
+def notices(exp: Experiment, start: int) -> list[str]:
+    """One line for each setting that cannot take effect as written in this run, which starts
+    after step `start`: what is done instead."""
+    train, lines = exp.cfg.train, []
+    profile = train.profile
+    if profile.steps:  # config.check refuses a window that starts past train.steps
+        first, last = profile.start, profile.start + profile.steps - 1
+        traced = max(first, start + 1), min(last, train.steps)
+        if traced != (first, last):
+            why = [f"this run resumes at step {start + 1}"] if start + 1 > first else []
+            why += [f"the run ends at step {train.steps} (train.steps)"] if train.steps < last else []
+            done = f"tracing {_steps(*traced)}" if traced[0] <= traced[1] else "nothing is traced"
+            lines.append(f"profile: train.profile asks for {_steps(first, last)} but {' and '.join(why)}: {done}")
+    evaluation = exp.inputs.eval
+    if train.eval_every and evaluation is None:
+        key = _EVAL_SPLIT_KEY.get(exp.cfg.data.source)
+        why = f" ({key} is {getattr(exp.cfg.data, key.removeprefix('data.'))!r})" if key else ""
+        lines.append(f"eval: train.eval_every is {train.eval_every} but there is no eval split{why}: no eval")
+    elif train.eval_every and train.eval_batches > evaluation.batches_per_epoch:
+        held, examples = evaluation.batches_per_epoch, len(evaluation.source)
+        batches = f"{held} batch{'es' if held > 1 else ''} of {train.batch_size} ({examples} examples)"
+        asked = f"train.eval_batches is {train.eval_batches}"
+        lines.append(f"eval: {asked} but the eval split holds {batches}: evaluating on {held}")
+    return lines
 
 
 def _progress(enabled: bool) -> Progress:
@@ -109,6 +148,9 @@ def train(exp: Experiment) -> dict:
             ckpt.close()
         return {"steps": cfg.train.steps, "already_at_step": start}
     lead = jax.process_index() == 0  # one process writes the run's outputs and shows progress
+    if lead:
+        for line in notices(exp, start):
+            print(line, file=sys.stderr)
     book = None
     try:
         book = _Book(exp, start, lead)

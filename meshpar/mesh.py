@@ -1,4 +1,4 @@
-"""Device mesh from ``"data:4,model:2"``.
+"""Device mesh from ``"data:4,model:2"`` (or Mesh TensorFlow's ``"data:4;model:2"``).
 
 Axis types: every mesh axis is ``AxisType.Auto``. jax 0.10's ``jax.make_mesh`` defaults to
 Explicit axes, where sharding is part of each array's type and every op whose output sharding
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 # jax reads JAX_NUM_CPU_DEVICES once, while it is imported, and a value that is not an integer
@@ -93,19 +94,56 @@ def show_name(name: str, limit: int = 40) -> str:
     return f"{name[:limit]!r}... ({len(name)} characters)"
 
 
+def split_pairs(text: str) -> list[str]:
+    """A mesh or layout string cut into its ``name:value`` pairs: ``"b1:4;b2:2"`` → ``["b1:4", "b2:2"]``.
+
+    Pairs are separated by ``;``, ``,``, ``.`` or whitespace, as Mesh TensorFlow separates them
+    (``mesh_tensorflow/ops.py``, ``_parse_string_to_list_of_pairs``), so its ``mesh_shape`` and
+    ``layout`` strings are read verbatim. Whitespace separates complete pairs only: around a
+    pair's colon it belongs to the pair (``data : 4`` is one pair, as meshpar always read it).
+    Between parentheses (a layout's ``batch:(replica, data)``) nothing separates pairs. A ``.``
+    between two digits is a decimal point, kept in its pair, so that ``data:2.5`` is refused as
+    a size that is not an integer rather than read as ``data:2`` and ``5``. Empty pairs are
+    skipped (``"data:4,"``). Raises ValueError naming unbalanced parentheses.
+    """
+    text = re.sub(r"\s*:\s*", ":", text)
+    pairs, current, depth = [], [], 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError("unbalanced or nested parentheses")
+        point = ch == "." and text[i - 1 : i].isdigit() and text[i + 1 : i + 2].isdigit()
+        if depth == 0 and (ch in ";," or ch.isspace() or (ch == "." and not point)):
+            pairs.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth:
+        raise ValueError("an unclosed parenthesis")
+    return [p for p in (*pairs, "".join(current)) if p]
+
+
 def parse_mesh(spec: str | Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     """``"data:4,model:2"`` or ``{"data": 4, "model": 2}`` → ``(("data", 4), ("model", 2))``.
 
-    One axis may be ``-1``: it takes the devices the other axes leave.
+    Mesh TensorFlow's ``mesh_shape`` strings are read as they are: ``"b1:4;b2:2"``, ``"b1:4.b2:2"``
+    and ``"b1:4 b2:2"`` are ``"b1:4,b2:2"`` (see :func:`split_pairs`). One axis may be ``-1``: it
+    takes the devices the other axes leave.
     """
     if isinstance(spec, Mapping):
         items = list(spec.items())
     elif isinstance(spec, str):
         items = []
-        for part in spec.split(","):
+        try:
+            parts = split_pairs(spec)
+        except ValueError as e:
+            raise MeshError(f"mesh {show_name(spec)} has {e}") from None
+        for part in parts:
             name, sep, size = part.partition(":")
             if not sep:
-                raise MeshError(f"axis {part.strip()!r} is not 'name:size'")
+                raise MeshError(
+                    f"axis {show_name(part)} is not 'name:size' (axes are separated by ';', ',', '.' or spaces)"
+                )
             items.append((name, size))
     else:
         raise MeshError(f"expected a string like 'data:4,model:2' or a mapping, got {type(spec).__name__}")

@@ -6,6 +6,11 @@ exists, ``keep`` rotation counts the old steps, and a later ``--resume`` continu
 run saved last. So such a run stops before its first step with one line, unless
 ``checkpoint.overwrite=true`` says to replace the earlier run: then its steps, metrics, summary
 and TensorBoard events are removed here, before anything of the new run is written.
+
+``--resume`` into a folder with no committed step yet starts at step 0 and says so in one line
+(``resume: no checkpoint in DIR yet; starting at step 0``, stderr), so that one command line
+serves a job's first launch and every relaunch; a folder whose steps were all set aside as
+damaged holds a run that cannot be continued, and is refused instead of started over.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -76,6 +82,21 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _check_nothing_to_resume(directory: Path) -> None:
+    """``--resume`` into a folder without committed steps starts at step 0 (a job's first launch
+    and its relaunches share one command line), unless the folder held steps that a resume set
+    aside as damaged: that run's progress is what the command asks for, and starting over
+    without it would be silent."""
+    damaged = [p for p in run_entries(directory) if ".damaged" in p.name]
+    damaged.sort(key=lambda p: int(p.name.split(".")[0]))  # by step
+    if damaged:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: its steps were set aside as damaged "
+            f"({', '.join(p.name for p in damaged)}); to start over, move them away, or run without --resume "
+            "and with checkpoint.overwrite=true (which removes them)"
+        )
+
+
 def open_checkpoints(cfg: Config) -> Checkpointer | None:
     """The run's Checkpointer (None when the run neither saves nor resumes), after making sure
     the checkpoint folder holds no earlier run that this fresh run would mix with."""
@@ -87,6 +108,10 @@ def open_checkpoints(cfg: Config) -> Checkpointer | None:
             f"{directory} already holds steps {steps} of an earlier run; continue it with --resume, "
             "or choose a new workdir / checkpoint.dir, or replace it with checkpoint.overwrite=true"
         )
+    if resuming and not steps:
+        _check_nothing_to_resume(directory)
+        if jax.process_index() == 0:
+            print(f"resume: no checkpoint in {directory} yet; starting at step 0", file=sys.stderr)
     if not (resuming and steps):  # this run starts at step 0
         if jax.process_index() == 0:
             # The earlier run's outputs go with it: metrics.jsonl would be rewritten anyway, and

@@ -14,6 +14,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import yaml
+
 
 class ConfigError(ValueError):
     """A config mistake: ``key`` is the dotted key, the message says what is wrong."""
@@ -145,3 +147,55 @@ def build(cls: type, raw: Any, key: str) -> Any:
             if hi is not None and not v <= hi:
                 raise ConfigError(where, f"must be <= {hi}, got {v}")
     return cls(**kwargs)
+
+
+# The tag PyYAML gives a merge key (`<<: *defaults`): the merged keys are defaults that the
+# mapping's own keys may override, so they are no duplicates.
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`text` as YAML with PyYAML's safe loader (no Python objects), refusing a key that appears
+    twice in one mapping, which the safe loader silently resolves to its last value (a second
+    `mesh:` line would win without a word). `where` names the text in the error (a file).
+
+    Keys compare as the values YAML reads them as: `1` and `0x1` are one key, `1` and `true`
+    two (an int and a bool, although Python's 1 == True). Merge keys (`<<`) stay legal, and a
+    key of the mapping itself may override one they bring. Raises ConfigError on the duplicate
+    key (dotted) with both line numbers; yaml.YAMLError / ValueError for text that is not YAML.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(loader, node, "", where, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicates(loader: yaml.SafeLoader, node: yaml.Node, key: str, where: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias: checked where its anchor is (and no endless walk of `&a [*a]`)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicates(loader, item, f"{key}[{i}]", where, seen)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[type, Any], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                _refuse_duplicates(loader, value_node, key, where, seen)
+                continue
+            name = loader.construct_object(key_node, deep=True)
+            sub = f"{key}.{name}" if key else str(name)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get((type(name), name))
+                lines[(type(name), name)] = line
+            except TypeError:  # an unhashable key (a list): the loader itself refuses it
+                first = None
+            if first is not None:
+                raise ConfigError(sub, f"appears twice in {where} (lines {first} and {line}); keep one")
+            _refuse_duplicates(loader, value_node, sub, where, seen)

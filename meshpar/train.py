@@ -25,8 +25,14 @@ def run(cfg: Config) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.train", description="Train a model on a device mesh.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (checkpoint.resume=auto)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest checkpoint, or start at step 0 if none is saved yet (checkpoint.resume=auto)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value",
+        help="config overrides, applied in order (a key given twice takes its last value)",
+    )
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])]
     try:

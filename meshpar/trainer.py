@@ -82,6 +82,13 @@ def check_params(abstract_params: nnx.State, layout: layout_lib.Layout) -> None:
             layout.check_shape(dims, var.get_value().shape, what=f"parameter {name} {tuple(dims)}")
 
 
+def param_dim_names(params: nnx.State) -> frozenset[str]:
+    """The logical dims of every parameter in `params` (abstract or not)."""
+    return frozenset(
+        d for _, var in nnx.to_flat_state(params) for d in (var.get_metadata().get("dims") or ()) if d is not None
+    )
+
+
 def abstract_model(build: Callable[[nnx.Rngs], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and parameter shapes, without allocating anything."""
     return nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
@@ -95,6 +102,9 @@ class StatePlan:
     abstract: TrainState  # ShapeDtypeStructs
     shardings: TrainState  # NamedShardings
     init: Callable[[], TrainState]
+    # Every logical dim the model's tensors have, its parameters' and the activations' it
+    # constrains (filled by meshpar.experiment.plan_model): what layout rules can apply to.
+    dims: frozenset[str] = frozenset()
 
     def materialize(self, layout: layout_lib.Layout, mesh: Mesh) -> TrainState:
         """Run the initialisers under jit, each shard computed on the device that owns it."""
@@ -124,15 +134,19 @@ def plan_state(
     return StatePlan(graphdef, abstract, tree_shardings(abstract, layout, mesh), init)
 
 
-def check_activations(plan: StatePlan, layout: layout_lib.Layout, mesh: Mesh, batch: Mapping[str, jax.ShapeDtypeStruct]) -> None:
+def check_activations(
+    plan: StatePlan, layout: layout_lib.Layout, mesh: Mesh, batch: Mapping[str, jax.ShapeDtypeStruct]
+) -> frozenset[str]:
     """Trace the model's loss abstractly under the layout: every activation constraint is
-    resolved (and raises LayoutError if the layout cannot place it) before anything runs."""
+    resolved (and raises LayoutError if the layout cannot place it) before anything runs.
+    Returns the dims the model placed while traced (its activations' and parameters')."""
 
     def loss(params, batch):
         return nnx.merge(plan.graphdef, params).loss(batch, rngs=None)
 
-    with layout_lib.activate(layout, mesh):
+    with layout_lib.activate(layout, mesh), layout_lib.recording() as seen:
         jax.eval_shape(loss, plan.abstract.params, dict(batch))
+    return frozenset(seen)
 
 
 def init_state(

@@ -145,7 +145,7 @@ def info(args) -> dict:
     import flax
     import optax
 
-    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    stats = d.memory_stats()
     out = {
         "status": "ok", "platform": d.platform, "device_kind": d.device_kind, "devices": len(devices),
         "bytes_limit": (stats or {}).get("bytes_limit"), "dry_run": args.dry_run,

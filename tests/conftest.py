@@ -46,6 +46,9 @@ SMOKE = (
     "tests/test_train_cli.py::test_cli_trains_and_writes_outputs",
     "tests/test_train_cli.py::test_a_full_disk_at_save_time_ends_the_run_in_one_line_naming_the_last_step_saved",
     "tests/test_multihost.py",
+    "tests/test_distributed.py::test_a_killed_peer_is_named_by_the_survivor_with_the_last_checkpoint",
+    "tests/test_liveness.py::test_the_heartbeat_goes_on_through_a_long_xla_compile_and_ends_with_done",
+    "tests/test_jax_compat.py",
     "tests/test_loop.py::test_lagged_loop_is_bit_identical_to_waiting_for_every_step_and_syncs_only_where_needed",
     "tests/test_loop.py::test_profile_traces_exactly_its_steps_and_the_compile_cache_fills_its_folder",
 )

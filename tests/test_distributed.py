@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_multihost import CONFIG, REPO, finish, free_port, kr, launch, wait_until
+from meshpar import liveness, rundir
+from tests.test_multihost import CONFIG, REPO, finish, free_port, launch, wait_until
 
 START_FAIL_TIMEOUT = 3  # distributed.initialization_timeout of the start-up failure tests
 
@@ -66,20 +67,34 @@ def test_sigterm_during_start_up_ends_both_processes(cfg_path, env, tmp_path):
     assert (rc0, _one_line(err0)) == (143, f"{line} (on process 1)")
 
 
-def test_a_killed_peer_ends_the_survivor(cfg_path, env, tmp_path):
-    # SIGKILL leaves process 1 no chance to tell anyone: process 0's collective waits until the
-    # coordination service misses process 1's heartbeats (3 s here), and jax aborts process 0.
-    workdir = tmp_path / "run"
-    procs = launch(cfg_path, workdir, "train.steps=100000", "distributed.heartbeat_timeout_seconds=3", env=env)
-    wait_until(lambda: max(kr.logged_steps(workdir), default=0) >= 1, procs)
+def test_a_killed_peer_is_named_by_the_survivor_with_the_last_checkpoint(cfg_path, env, tmp_path):
+    # SIGKILL leaves process 1 no chance to tell anyone, and gloo does not report its closed
+    # connection: process 0's collective would wait until jax's coordination service missed
+    # process 1's heartbeats, and jax would abort process 0 (134, a C++ stack trace).
+    # meshpar's own liveness check ends it first, in one line, with exit status 1.
+    workdir, heartbeat = tmp_path / "run", 3
+    checkpoints = workdir / "checkpoints"
+    procs = launch(cfg_path, workdir, "train.steps=100000", "checkpoint.every=3",
+                   f"distributed.heartbeat_timeout_seconds={heartbeat}", env=env)
+    # Saves and their compiles on the way: the check does not fire while both are alive.
+    wait_until(lambda: len(rundir.committed_steps(checkpoints)) >= 2, procs)
     procs[1].kill()
     killed = time.monotonic()
-    (rc0, err0), (rc1, _) = finish(procs, timeout=45)  # with jax's default heartbeat timeout: ~80 s
-    assert rc1 == -signal.SIGKILL and time.monotonic() - killed < 45
-    # The abort comes from jax's C++ error-polling thread: SIGABRT, jax's own message. (Should
-    # the stop-together watcher hear of it first, it says so in one line and exits 1.)
-    assert (rc0 == -signal.SIGABRT and "detected fatal errors" in err0) or (
-        rc0 == 1 and err0.strip().splitlines()[-1].startswith("training error: ")), err0[-2000:]
+    rc1 = procs[1].wait()
+    (rc0, err0), = finish(procs[:1], timeout=60)
+    took = time.monotonic() - killed
+    assert rc1 == -signal.SIGKILL
+    last = err0.strip().splitlines()[-1]
+    m = re.fullmatch(rf"training error: lost process 1 \(no heartbeat for (\d+) s\); "
+                     rf"last checkpoint: step (\d+) in {re.escape(str(checkpoints))}", last)
+    assert rc0 == 1 and m, f"exit {rc0}: {err0[-3000:]}"
+    assert heartbeat <= int(m[1]) <= heartbeat + 3  # the timeout, and a read or two late at most
+    assert int(m[2]) == rundir.committed_steps(checkpoints)[-1]  # what --resume would start from
+    assert "Traceback" not in err0 and "detected fatal errors" not in err0, err0[-3000:]
+    # Before jax's own abort could come: jax declares a process dead half its heartbeat
+    # timeout after its last beat at the earliest (and the old code, with jax's timeout at
+    # `heartbeat`, ended here with exit 134).
+    assert took < liveness.jax_heartbeat_timeout(heartbeat) / 2, took
 
 
 def _alone(cfg_path, env, workdir, process_id, coordinator):

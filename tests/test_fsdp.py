@@ -49,10 +49,6 @@ def test_a_dim_may_take_several_mesh_axes():
 @pytest.mark.parametrize(
     "param_layout, message",
     [
-        (
-            "embed:rows",
-            "param_layout: dim 'embed' is mapped to unknown mesh axis 'rows' (mesh axes: 'replica', 'data', 'model')",
-        ),
         ("embed:(data,data)", "param_layout: rule 'embed:(data,data)' names mesh axis 'data' twice"),
         ("embed:(data", "param_layout: rules 'embed:(data' have an unclosed parenthesis"),
     ],

@@ -90,7 +90,7 @@ def mutation(draw, tfds_dir):
         return kind, [f"train.batch_size={draw(st.integers(1, 200).filter(lambda b: b % 4))}"]
     if kind == "mesh":
         bad = draw(st.one_of(
-            st.sampled_from(["data", "data:", ":4", "data:4:2", "data:4,data:2", "data:-1,model:-1", "", ",", "data:4;model:2"]),
+            st.sampled_from(["data", "data:", ":4", "data:4:2", "data:4,data:2", "data:-1,model:-1", ";", ",", "data:4;data:2"]),
             st.tuples(ident, st.sampled_from(["0", "-2", "x", "1.5", "", "-0"])).map(lambda t: f"data:4,{t[0]}:{t[1]}"),
             st.tuples(st.sampled_from(["4x", "2-", "a b", "1data"]), st.integers(1, 8)).map(lambda t: f"{t[0]}:{t[1]},model:2"),
             st.integers(3, 64).filter(lambda n: n not in (4, 8)).map(lambda n: f"data:{n},model:2" if n * 2 > 8 else f"data:{n},model:3"),
@@ -98,7 +98,7 @@ def mutation(draw, tfds_dir):
         return kind, [f"mesh={bad}"]
     if kind == "layout":
         bad = draw(st.one_of(
-            ident.filter(lambda a: a not in ("data", "model")).map(lambda a: f"batch:data; hidden:{a}"),
+            ident.filter(lambda a: a not in ("data", "model")).map(lambda a: f"batch:data; hidden:({a},{a})"),
             st.sampled_from(["batch:data; hidden:model; hidden:data", "batch:data; hidden:data", "batch:model; hidden:model",
                              "batch:data; hidden", "batch:data; :model", "batch:data; pixels:model; hidden:model"]),
         ))

@@ -58,6 +58,19 @@ def mesh():
         ({" batch ": " data "}, (("batch", "data"),)),
         ({}, ()),
         ((("batch", "data"), ("hidden", "model")), (("batch", "data"), ("hidden", "model"))),
+        # Mesh TensorFlow's separators: ';', ',', '.' and whitespace between complete rules
+        ("batch:b1;hidden:b2", (("batch", "b1"), ("hidden", "b2"))),
+        ("batch:b1.hidden:b2", (("batch", "b1"), ("hidden", "b2"))),
+        ("batch:b1 hidden:b2\nhidden_2:b2", (("batch", "b1"), ("hidden", "b2"), ("hidden_2", "b2"))),
+        ("batch:b1.;, hidden:b2.", (("batch", "b1"), ("hidden", "b2"))),
+        ("batch : data hidden : model", (("batch", "data"), ("hidden", "model"))),  # spaces inside a rule stay
+        ("batch:(replica, data) hidden:model", (("batch", ("replica", "data")), ("hidden", "model"))),
+        ("batch : ( replica , data ).d_ff:model", (("batch", ("replica", "data")), ("d_ff", "model"))),
+        (
+            "ensemble:ensemble,batch:batch,d_ff:model,heads:model,vocab:model,experts:batch",
+            (("ensemble", "ensemble"), ("batch", "batch"), ("d_ff", "model"), ("heads", "model"), ("vocab", "model"),
+             ("experts", "batch")),
+        ),  # fmt: skip
     ],
 )
 def test_parse_rules(rules, expected):
@@ -70,6 +83,10 @@ def test_parse_rules(rules, expected):
         ("batch", ["'batch'", "not 'dim:axis'"]),
         ("batch:data; hidden", ["'hidden'", "not 'dim:axis'"]),
         ("batch:data:model", ["'batch:data:model'", "not 'dim:axis'"]),
+        ("batch:data hidden", ["'hidden'", "not 'dim:axis'", "separated by ';', ',', '.' or spaces"]),
+        ("batch:da ta", ["'ta'", "not 'dim:axis'"]),  # whitespace ends a complete rule
+        ("batch:(data model)", ["axis name 'data model'", "not an identifier"]),  # not inside parentheses
+        ("batch:(replica,(data))", ["nested parentheses"]),
         (":data", ["':data'", "empty dim or axis"]),
         ("batch:", ["'batch:'", "empty dim or axis"]),
         ("batch: ; hidden:model", ["'batch:'", "empty dim or axis"]),
@@ -104,7 +121,8 @@ def test_errors_stay_one_line_with_odd_names(rules):
         ("batch:modèle", ["axis name 'modèle'", "ASCII"]),
         ({"ｂａｔｃｈ": "data"}, ["dim name 'ｂａｔｃｈ'", "ASCII"]),
         ("2d:data", ["dim name '2d'", "not an identifier"]),
-        ("batch:da ta", ["axis name 'da ta'", "not an identifier"]),
+        ("batch:da-ta", ["axis name 'da-ta'", "not an identifier"]),
+        ({"batch": "da ta"}, ["axis name 'da ta'", "not an identifier"]),
         ((("batch", 3),), ["axis name 3", "not a string"]),
         ("batch:" + "a" * 65, ["axis name", "65 characters", "at most 64"]),
     ],
@@ -125,10 +143,45 @@ def test_layout_error_is_value_error():
 # Layout.create / spec / check_shape
 
 
-def test_create_unknown_mesh_axis():
-    with pytest.raises(LayoutError) as e:
-        Layout.create("batch:data; hidden:tensor", SIZES)
-    expect(e, "dim 'hidden'", "unknown mesh axis 'tensor'", "'data'", "'model'")
+def test_create_leaves_out_axes_the_mesh_does_not_have():
+    # Mesh TensorFlow ignores a rule whose mesh axis is absent: one rule string serves several
+    # meshes. A rule naming several axes keeps those the mesh has.
+    lay = Layout.create("batch:data; hidden:tensor; embed:(replica,data); d_ff:(model,tensor)", SIZES,
+                        params="embed:ensemble; hidden:(data,rows)")  # fmt: skip
+    assert lay.rules == (("batch", "data"), ("embed", "data"), ("d_ff", "model"))
+    assert lay.param_rules == (("hidden", "data"),)
+    assert lay.spec(("batch", "hidden", "d_ff")) == P("data", None, "model")
+    assert lay.params.spec(("hidden",)) == P("data") and lay.params.spec(("embed",)) == P("data")
+    assert lay.overlay("hidden:tensor").spec(("hidden",)) == P(None)
+    assert lay.overlay("hidden:(tensor,model)").spec(("hidden",)) == P("model")
+    assert Layout.create("experts:ensemble", SIZES).rules == ()
+
+
+def test_unused_and_applies():
+    rules = "ensemble:ensemble,batch:batch,d_ff:model,heads:model,vocab:model,experts:batch"
+    dims = {"batch", "length", "embed", "heads", "kv", "d_ff", "vocab", "layers"}
+    mesh = {"batch": 4, "model": 2}
+    said = "this model has no dim ensemble, experts; the mesh has no axis ensemble"
+    assert layout_lib.unused(rules, mesh, dims) == said
+    assert layout_lib.unused("batch:batch; d_ff:model", mesh, dims) is None
+    assert layout_lib.unused("batch:(replica,batch,pod); pod:pod", mesh, dims, "no parameter has dim") == (
+        "no parameter has dim pod; the mesh has no axis replica, pod"
+    )
+    assert layout_lib.applies(rules, mesh, dims)
+    assert not layout_lib.applies("nosuchdim:batch", mesh, dims)
+    assert not layout_lib.applies("embed:rows", mesh, dims)  # the dim is there, the axis is not
+    assert layout_lib.applies("embed:(rows,model)", mesh, dims)
+    assert not layout_lib.applies(None, mesh, dims)
+
+
+def test_recording_collects_the_dims_constrain_places(mesh):
+    lay = Layout.create("batch:data", dict(mesh.shape))
+    with activate(lay, mesh), layout_lib.recording() as seen:
+        jax.eval_shape(lambda a: constrain(constrain(a, ("batch", None)), ("batch", "hidden")), jnp.ones((8, 4)))
+    assert seen == {"batch", "hidden"}
+    with layout_lib.recording() as outside:
+        constrain(jnp.ones(2), ("pixels",))  # no layout active: nothing is placed, nothing recorded
+    assert outside == set()
 
 
 def test_create_duplicate_dim():

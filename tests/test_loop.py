@@ -2,6 +2,7 @@
 exactly at save, eval, stop and last steps, stops every process at one saved step, names the
 first non-finite step; profiling traces exactly the steps asked for; the compile cache."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -181,3 +182,51 @@ def test_profile_and_cache_mistakes_are_one_line_config_errors(tmp_path, monkeyp
     (tmp_path / "file").write_text("")
     with pytest.raises(config.ConfigError, match=r"^compile_cache\.dir: cannot create .*/file/jax: Not a directory"):
         compile_cache.configure(config.CompileCacheConfig(dir=str(tmp_path / "file" / "jax")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings that cannot take effect as written are said, one line each on stderr, before step 1.
+
+
+def test_a_profile_window_past_the_run_says_what_is_traced(tmp_path, capsys):
+    exp = experiment.build(_cfg(tmp_path, False, {"steps": 4, "profile": {"start": 3, "steps": 5}}))
+    loop.train(exp)
+    assert capsys.readouterr().err.splitlines() == [
+        "profile: train.profile asks for steps 3..7 but the run ends at step 4 (train.steps): tracing steps 3..4"
+    ]
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1  # as said: the trace of steps 3 and 4
+    events = json.loads(gzip.decompress((traces[0].parent / "perfetto_trace.json.gz").read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    runs = {e["args"]["run_id"] for e in events if (e.get("args") or {}).get("hlo_module") == f"jit_{exp.train_step.__name__}"}
+    assert len(runs) == 2
+
+    def said(resumed_at, **profile):  # of an 8-step run resumed from step `resumed_at`
+        return loop.notices(dataclasses.replace(exp, cfg=_cfg(tmp_path, False, {"steps": 8, "profile": profile})), resumed_at)
+
+    assert said(4, start=2, steps=2) == ["profile: train.profile asks for steps 2..3 but this run resumes at step 5: nothing is traced"]
+    assert said(4, start=3, steps=9) == [
+        "profile: train.profile asks for steps 3..11 but this run resumes at step 5 and the run ends at step 8 (train.steps): "
+        "tracing steps 5..8"
+    ]
+    assert said(4, start=5, steps=4) == said(0, start=8, steps=1) == []  # windows the run covers: nothing to say
+
+
+def test_eval_batches_beyond_the_eval_split_say_how_many_are_used(tmp_path, capsys):
+    # The eval split holds 64 examples: 2 batches of 32.
+    exp = experiment.build(_cfg(tmp_path / "five", False, {"steps": 2, "eval_every": 2, "eval_batches": 5}))
+    summary = loop.train(exp)
+    assert capsys.readouterr().err.splitlines() == [
+        "eval: train.eval_batches is 5 but the eval split holds 2 batches of 32 (64 examples): evaluating on 2"
+    ]
+    assert summary["final_eval_loss"] == loop.evaluate(exp, exp.state)["eval_loss"] > 0
+    two = _cfg(tmp_path / "two", False, {"steps": 2, "eval_every": 2, "eval_batches": 2})
+    assert loop.notices(dataclasses.replace(exp, cfg=two), 0) == []
+    # No eval split at all: eval_every cannot take effect either.
+    data = {"num_examples": 1024, "num_eval_examples": 0, "num_features": 48}
+    exp = experiment.build(_cfg(tmp_path / "none", False, {"steps": 2, "eval_every": 2}, data=data))
+    summary = loop.train(exp)
+    assert capsys.readouterr().err.splitlines() == [
+        "eval: train.eval_every is 2 but there is no eval split (data.num_eval_examples is 0): no eval"
+    ]
+    assert "final_eval_loss" not in summary

@@ -31,6 +31,15 @@ def one_line(e: pytest.ExceptionInfo) -> str:
         ("model:2,data:-1", (("model", 2), ("data", -1))),
         ("a:1,b:2,c:4", (("a", 1), ("b", 2), ("c", 4))),
         ("data:+4", (("data", 4),)),
+        # Mesh TensorFlow's mesh_shape strings, verbatim: ';', ',', '.' and whitespace separate
+        ("b1:4;b2:2", (("b1", 4), ("b2", 2))),
+        ("b1:4.b2:2", (("b1", 4), ("b2", 2))),
+        ("b1:4 b2:2", (("b1", 4), ("b2", 2))),
+        ("b1:4\tb2:2\nb3:1", (("b1", 4), ("b2", 2), ("b3", 1))),
+        ("batch:4;model:2,ensemble:1", (("batch", 4), ("model", 2), ("ensemble", 1))),
+        ("b1 : 4 ; b2 : -1", (("b1", 4), ("b2", -1))),  # whitespace around a colon stays in its pair
+        ("data:4,", (("data", 4),)),  # empty pairs are skipped, as in layouts and Mesh TensorFlow
+        (";data:4;;model:2.", (("data", 4), ("model", 2))),
     ],
 )
 def test_parse_mesh_string(spec, expected):
@@ -60,16 +69,22 @@ def test_parse_mesh_sizes_are_ints():
         # malformed 'name:size'
         ("data", ["'data'", "not 'name:size'"]),
         ("data:4,model", ["'model'", "not 'name:size'"]),
-        ("data:4,", ["not 'name:size'"]),
-        ("", ["not 'name:size'"]),
+        ("data:4 model", ["'model'", "not 'name:size'", "separated by ';', ',', '.' or spaces"]),
+        ("", ["no axes"]),
+        (" ;. ", ["no axes"]),
         ("data=4", ["'data=4'", "not 'name:size'"]),
         # names
         ("1data:4", ["'1data'", "not an identifier"]),
         (":4", ["''", "not an identifier"]),
-        ("da ta:4", ["'da ta'", "not an identifier"]),
+        ("da ta:4", ["'da'", "not 'name:size'"]),  # whitespace separates complete pairs only
+        ("da-ta:4", ["'da-ta'", "not an identifier"]),
+        ({"da ta": 4}, ["'da ta'", "not an identifier"]),
         # non-integer sizes
         ("data:four", ["'data'", "'four'", "not an integer"]),
-        ("data:2.5", ["'data'", "'2.5'", "not an integer"]),
+        ("data:2.5", ["'data'", "'2.5'", "not an integer"]),  # a '.' between digits is no separator
+        ("b1:2.5;b2:2", ["'b1'", "'2.5'", "not an integer"]),
+        ("data:(4,2)", ["'data'", "'(4,2)'", "not an integer"]),
+        ("data:(4", ["unclosed parenthesis"]),
         ("data:", ["'data'", "''", "not an integer"]),
         ("data:4:2", ["'data'", "'4:2'", "not an integer"]),
         ({"data": 2.5}, ["'data'", "'2.5'", "not an integer"]),

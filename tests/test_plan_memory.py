@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals
 
 from meshpar import aot, config, experiment
+from meshpar.jax_compat import saved_residuals
 from meshpar.plan import memory
 
 TINY_TRANSFORMER = [
@@ -124,7 +124,7 @@ ONE = 64 * 16 * 4  # bytes of one [64, 16] float32 value
 
 def _jax_residual_bytes(fn, *args) -> int:
     """Bytes of the residuals JAX saves that are not the function's own arguments."""
-    return sum(a.size * a.dtype.itemsize for a, where in saved_residuals(fn, *args) if "argument" not in where)
+    return sum(r.nbytes for r in saved_residuals(fn, *args) if r.source != "argument")
 
 
 def test_a_cheap_residual_made_from_kept_ones_is_dropped_unless_a_matmul_reads_it():
@@ -175,8 +175,8 @@ def test_a_rolled_loop_keeps_every_stacked_residual_an_unrolled_one_fuses(unroll
     kept = memory.kept_residuals(layers, W)
     assert all(r.copies == 4 for r in kept)  # stacked over the 4 iterations
     if unroll == 1:  # loop outputs: nothing can be recomputed from them
-        stacked = [a for a, where in saved_residuals(layers, W) if where.startswith("output of scan")]
+        stacked = [r for r in saved_residuals(layers, W) if r.source == "scan"]
         assert len(kept) == len(stacked) == 5  # the layer input, and four values of the body
-        assert sum(r.total for r in kept) == sum(a.size * a.dtype.itemsize for a in stacked)
+        assert sum(r.total for r in kept) == sum(r.nbytes for r in stacked)
     else:  # straight-line: the layer input, tanh's output and the matmul's operand
         assert sorted(r.label for r in kept) == ["loop carry", "mul", "tanh"]

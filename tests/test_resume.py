@@ -134,3 +134,36 @@ def test_allow_changes_lets_a_named_setting_change_and_keeps_the_rest_guarded(fi
 def test_resume_with_no_checkpoint_starts_fresh(tmp_path):
     exp = experiment.build(_cfg(tmp_path, checkpoint={"resume": "auto"}))
     assert int(exp.state.step) == 0 and exp.resumed_from is None
+
+
+@pytest.fixture(scope="module")
+def twelve_steps_decaying_over_eight(tmp_path_factory):
+    """The final state of a 12-step run whose schedule decays over 8 steps, never stopped."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    optimizer = {"schedule": "cosine", "warmup_steps": 2, "decay_steps": 8}
+    exp = experiment.build(_cfg(workdir, optimizer=optimizer, checkpoint={"every": 0}, plan={"check": False}))
+    loop.train(exp)
+    return _leaves(exp.state)
+
+
+@pytest.mark.parametrize("longer", [False, True], ids=["same-horizon", "longer-horizon"])
+@pytest.mark.parametrize("check", [True, False], ids=["preflight", "no-preflight"])
+def test_resume_with_or_without_the_preflight_on_the_same_or_a_longer_horizon(tmp_path, twelve_steps_decaying_over_eight, check, longer):
+    # A first launch of 8 steps (its schedule decays over 8) saves steps 4 and 8; the relaunch
+    # goes on from step 4 to 8 (same horizon), or from step 8 to 12 (`--resume train.steps=12`:
+    # the schedule keeps its 8). plan.check=false once ended here in a KeyError.
+    plan = {"check": check}
+    first = experiment.build(_cfg(tmp_path, train={"steps": 8}, plan=plan))
+    loop.train(first)
+    if not longer:
+        shutil.rmtree(tmp_path / "checkpoints" / "8")  # the run died after its step-4 save
+    steps = 12 if longer else 8
+    resumed = experiment.build(_cfg(tmp_path, train={"steps": steps}, plan=plan, checkpoint={"resume": "auto"}))
+    assert resumed.resumed_from == (8 if longer else 4) and resumed.record["decay_steps"] == 8
+    # The pre-flight's ahead-of-time step runs, unless it was compiled for the other horizon.
+    assert hasattr(resumed.train_step, "compiled") == (check and not longer)
+    summary = loop.train(resumed)
+    assert summary["resumed_from"] == resumed.resumed_from and summary["decay_steps"] == 8
+    expected = twelve_steps_decaying_over_eight if longer else _leaves(first.state)
+    for a, b in zip(expected, _leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -184,3 +185,57 @@ def test_error_empty_split(data_dir, split):
 def test_error_missing_feature_key(data_dir):
     msg = _err(data_dir, fields={"inputs": "pixels", "targets": "label"})
     assert "pixels" in msg and "image" in msg and "label" in msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Error lines say what was looked up and where, and show folders inside data_dir only.
+
+NOT_A_NAME = "is not a tfds dataset name: expected NAME[/CONFIG][:VERSION], e.g. mnist or mnist:3.0.1"
+A_PATH = "; a dataset name is not a path: the folder that holds the datasets is data.data_dir"
+
+
+@pytest.fixture(scope="module")
+def beside(data_dir) -> str:
+    """A folder next to data_dir (in this session's temporary folder) that no error line may show."""
+    os.makedirs(os.path.join(os.path.dirname(data_dir), "outside_data_dir_marker"), exist_ok=True)
+    return "outside_data_dir_marker"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc", "..", "../tfds0", "/etc", "tiny_digits/..", "tiny_digits/../..", "~", "tiny_digits\\..",
+     "tiny_digits/data_dir=/etc", "tiny_digits:1.0.0/data_dir=.."],
+)
+def test_a_name_that_is_a_path_is_refused_without_looking_outside_data_dir(data_dir, beside, name):
+    msg = _err(data_dir, name=name)
+    assert msg == f"{name!r} {NOT_A_NAME}{A_PATH}"
+    assert beside not in msg
+
+
+@pytest.mark.parametrize("name", ["huggingface:mnist", "1mnist", "mnist:1.0", "mnist@1.0.0", ""])
+def test_a_name_outside_tfds_offline_grammar_is_refused(data_dir, name):
+    assert _err(data_dir, name=name) == f"{name!r} {NOT_A_NAME}"
+
+
+def test_a_name_that_does_not_resolve_says_which_folder_was_looked_for(data_dir, beside):
+    assert _err(data_dir, name="nosuch") == (
+        f"dataset 'nosuch' not found: no folder nosuch in data_dir {data_dir} (datasets there: ghost, tiny_digits, tiny_text)"
+    )
+    assert _err(data_dir, name="tiny_digits:9.9.9") == (
+        f"dataset 'tiny_digits:9.9.9' not found: no folder tiny_digits/9.9.9 in data_dir {data_dir} (tiny_digits/ holds: 1.0.0)"
+    )
+    assert _err(data_dir, name="tiny_digits/cfg:1.0.0") == (
+        f"dataset 'tiny_digits/cfg:1.0.0' not found: no folder tiny_digits/cfg in data_dir {data_dir} (tiny_digits/ holds: 1.0.0)"
+    )
+    msg = _err(data_dir, name="ghost")  # a folder, but no dataset in it: tfds's own first line
+    assert msg.startswith(f"cannot load dataset 'ghost' from data_dir {data_dir}: ") and msg.endswith(" (ghost/ holds: no folders)")
+
+
+def test_a_path_as_data_name_is_a_config_error_before_any_source_is_made(data_dir):
+    from meshpar import config, inputs
+
+    data = config.DataConfig(source="tfds", name="../../etc", data_dir=data_dir)
+    for source in ("tfds", "tfds_text"):
+        with pytest.raises(config.ConfigError) as e:
+            inputs.make_source(dataclasses.replace(data, source=source), "train", 0)
+        assert str(e.value) == f"data.name: '../../etc' {NOT_A_NAME}{A_PATH}"

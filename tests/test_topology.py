@@ -93,6 +93,14 @@ def test_a_malformed_machine_file_names_the_key(tmp_path):
         topology.load(str(path))
 
 
+def test_a_machine_file_with_a_key_twice_is_refused(tmp_path):
+    text = (topology.DIR / "a100-pcie-8.yaml").read_text()
+    path = tmp_path / "twice.yaml"
+    path.write_text(text + "\ndescription: a second one\n")
+    with pytest.raises(ConfigError, match=r"--topology: description: appears twice in twice.yaml \(lines 6 and \d+\)"):
+        topology.load(str(path))
+
+
 def test_cpu_sim_is_measured_here_once_per_process_with_sane_figures(cpu_sim):
     assert topology.load("cpu-sim") is cpu_sim  # cached: measured once per process and device count
     assert cpu_sim.num_devices == len(jax.devices("cpu")) == 8

@@ -66,7 +66,8 @@ def test_cli_routed_writes_the_same_losses(tmp_path):
         (["model.hidden=[66,32]"], r"config error: layout: dim 'hidden' of parameter layers/0/\w+ \(.*\) has size 66, not divisible by mesh axis 'model' of size 4$"),
         (["train.bogus=1"], r"config error: train\.bogus: unknown key \(known: steps, batch_size"),
         (["feed.mode=sideways"], r"config error: feed\.mode: 'sideways' is not one of: direct, routed$"),
-        (["layout=hidden:nowhere"], r"config error: layout: dim 'hidden' is mapped to unknown mesh axis 'nowhere' \(mesh axes: 'data', 'model'\)$"),
+        (["param_layout=nosuchdim:data"], r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(this model's parameters have no dim nosuchdim; the parameters' dims: classes, hidden, hidden_2, pixels\)$"),
+        (["param_layout=hidden:nowhere"], r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(the mesh has no axis nowhere; "),
         (["mesh=model:3,data:-1"], r"config error: mesh: axis 'data' = -1: 8 devices do not divide by the other axes' 3$"),
         (["mesh=data:0"], r"config error: mesh: axis 'data' has size 0; sizes are positive, or -1"),
     ],
@@ -172,3 +173,40 @@ def test_a_full_disk_at_save_time_ends_the_run_in_one_line_naming_the_last_step_
     ckpt = tmp_path / "run" / "checkpoints"
     assert re.fullmatch(rf"checkpoint error: cannot write step 6 to {ckpt}/6 \(File too large \[errno 27\]; .*\); last step saved: 4", lines[0]), lines[0]
     assert 4 in [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+
+
+def _damage(step_dir):
+    (step_dir / "state" / "manifest.ocdbt").unlink()  # the step's manifest no longer verifies
+
+
+def test_resume_before_the_first_checkpoint_starts_at_step_0_and_a_damaged_run_never_does(tmp_path, capsys):
+    # One command line serves a job's first launch and every relaunch.
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    status, err = _main(capsys, tmp_path, *SHORT, "--resume")
+    assert status == 0 and err == [f"resume: no checkpoint in {ckpt} yet; starting at step 0"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    status, err = _main(capsys, tmp_path, *SHORT, "train.steps=6", "--resume")
+    assert status == 0 and err == []  # continued: nothing to say
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 4
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+    # Every step damaged: the relaunch sets them aside and stops; so does every relaunch after
+    # it, instead of starting over as if the run had never been.
+    steps = sorted(p.name for p in ckpt.iterdir())
+    for step in steps:
+        _damage(ckpt / step)
+    outputs = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    status, err = _main(capsys, tmp_path, *SHORT, "train.steps=6", "--resume")
+    assert status == 2 and err[-1].startswith(f"checkpoint error: no usable checkpoint in {ckpt} (newest: step {steps[-1]}: ")
+    damaged = ", ".join(f"{s}.damaged" for s in steps)
+    for _ in range(2):
+        status, err = _main(capsys, tmp_path, *SHORT, "train.steps=6", "--resume")
+        assert status == 2 and err == [
+            f"checkpoint error: no usable checkpoint in {ckpt}: its steps were set aside as damaged ({damaged}); to start "
+            "over, move them away, or run without --resume and with checkpoint.overwrite=true (which removes them)"
+        ]
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"{s}.damaged" for s in steps]
+    assert {name: (run / name).read_bytes() for name in outputs} == outputs  # nothing of the run touched
+    # Starting over, said explicitly.
+    status, err = _main(capsys, tmp_path, *SHORT, "checkpoint.overwrite=true")
+    assert status == 0 and err == [] and sorted(p.name for p in ckpt.iterdir()) == ["2", "4"]

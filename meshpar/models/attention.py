@@ -35,6 +35,7 @@ import functools
 from typing import Literal
 
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
 
 from meshpar.layout import constrain
@@ -79,7 +80,7 @@ def cudnn_problem(shape: tuple[int, ...], dtype: jnp.dtype) -> str | None:
     """Why cuDNN's fused attention cannot run q/k/v of `shape` and `dtype` here, or None if it can."""
     if jax.default_backend() != "gpu":
         return f"backend is {jax.default_backend()}, not a CUDA GPU"
-    platform = getattr(jax.devices()[0].client, "platform_version", "")
+    platform = jax.extend.backend.get_backend().platform_version  # e.g. "cuda 12080", "rocm 60342"
     if "cuda" not in platform.lower():
         return f"GPU platform is {platform!r}, not CUDA"
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

@@ -31,12 +31,12 @@ from meshpar.models import remat as remat_lib
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-    name: Literal["mlp"] = "mlp"
+    name: Literal["mlp"] = "mlp"  # the family: a multi-layer perceptron classifier
     # Widths of the hidden layers, in order; their dims are named hidden, hidden_2, ...
     hidden: tuple[int, ...] = dataclasses.field(default=(512,), metadata={"min": 1})
     # Output classes ("classes" dim); must match the data's labels.
     num_classes: int = dataclasses.field(default=10, metadata={"min": 2})
-    activation: Literal["relu", "gelu", "tanh"] = "relu"
+    activation: Literal["relu", "gelu", "tanh"] = "relu"  # after each hidden layer
     # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
     # layers compute in: bfloat16 compute with float32 parameters is mixed precision. The loss
     # (softmax cross-entropy) is float32 regardless.

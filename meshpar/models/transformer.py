@@ -76,7 +76,7 @@ BLOCK_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_in", "w_out"
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    name: Literal["transformer"] = "transformer"
+    name: Literal["transformer"] = "transformer"  # the family: a decoder-only Transformer language model
     d_model: int = dataclasses.field(default=256, metadata={"min": 1})  # "embed"
     n_heads: int = dataclasses.field(default=4, metadata={"min": 1})  # "heads"
     d_head: int = dataclasses.field(default=64, metadata={"min": 1})  # "kv"
@@ -87,10 +87,15 @@ class TransformerConfig:
     max_length: int = dataclasses.field(default=512, metadata={"min": 1})
     # Dropout rate on the embeddings and on each residual branch (training only).
     dropout: float = dataclasses.field(default=0.0, metadata={"min": 0.0})
+    # Where positions come in: learned = a table added to the embeddings (max_length rows);
+    # rotary = rotations of query and key in every layer (needs an even d_head, no parameters).
     positions: Literal["learned", "rotary"] = "learned"
     tie_embeddings: bool = False  # logits use the input embedding (scaled by d_model**-0.5)
+    # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
+    # layers compute in: bfloat16 compute with float32 parameters is mixed precision. The loss
+    # (softmax cross-entropy) is float32 regardless.
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # loss is float32 regardless
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
     # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
     # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.

@@ -216,24 +216,24 @@ def main(argv: list[str] | None = None) -> int:
                 known = ", ".join(topology.names())
                 raise ConfigError("--topology", f"--compare-feeding needs a machine (known: {known})")
             return compare_feeding(cfg, _topology(cfg, args.topology), args.png)
-        if args.topology:
-            from meshpar import aot
+        if not args.topology and (args.offload_sweep is not None or args.no_overlap):
+            raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
+                              "prices offload on a machine: add --topology NAME")  # fmt: skip
+        from meshpar import aot, experiment
 
+        if args.topology:
             topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
             sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
-            step = aot.abstract_step(cfg)
-            report = report_lib.plan(cfg, step)
+        step = aot.abstract_step(cfg)
+        experiment.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
+        report = report_lib.plan(cfg, step)
+        if topo is not None:
             feed_s = _feed_seconds(cfg, topo)
             if importlib.util.find_spec("meshpar.plan.timing") is not None:
                 from meshpar.plan import timing
 
                 step_time = timing.predict(cfg, step, report.compiled, topo, feed_s)
             offload = _offload(cfg, step, topo, sizes, not args.no_overlap, step_time.total_s if step_time else 0.0)
-        else:
-            if args.offload_sweep is not None or args.no_overlap:
-                raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
-                                  "prices offload on a machine: add --topology NAME")  # fmt: skip
-            report = report_lib.plan(cfg)
         if args.json:
             out = report.to_json()
             if topo is not None:

@@ -423,7 +423,15 @@ def saved_activations(cfg: Config, step: aot.AbstractStep, remat: str | None = N
         rngs = nnx.Rngs(dropout=jax.random.key(0))
         return nnx.merge(graphdef, params).loss(batch, rngs=rngs)[0]
 
-    return kept_residuals(loss, params, _local_batch(cfg, batch))
+    try:
+        return kept_residuals(loss, params, _local_batch(cfg, batch))
+    except TypeError:
+        # A layout that splits a dim the data brings in (the MLP's `pixels`, split the way Mesh
+        # TensorFlow's mnist splits its images) has no per-device trace: the model meets that dim
+        # whole, from the batch, before it constrains it, against parameters already split along
+        # it (a shape mismatch). Traced with whole parameters instead: the activations the
+        # layout splits along the model's dims are then over-estimated, never missed.
+        return kept_residuals(loss, state.params, _local_batch(cfg, batch))
 
 
 def _loop_iteration(residuals: list[Residual]) -> int:

@@ -54,11 +54,11 @@ def _on_host(shardings) -> bool | None:
     kinds = {getattr(s, "memory_kind", None) for s in jax.tree.leaves(shardings)}
     if not kinds:
         return None
-    if kinds == {aot.HOST_KIND}:
+    if kinds == {offload.HOST}:
         return True
-    if aot.HOST_KIND in kinds:
+    if offload.HOST in kinds:
         raise ConfigError(
-            "offload", f"the state plan puts part of a tree in {aot.HOST_KIND} and part in {kinds - {aot.HOST_KIND}}"
+            "offload", f"the state plan puts part of a tree in {offload.HOST} and part in {kinds - {offload.HOST}}"
         )
     return False
 
@@ -71,7 +71,7 @@ def placement(cfg: Config, plan: trainer.StatePlan) -> Placement:
     marked = {"optimizer": _on_host(plan.shardings.opt_state), "params": _on_host(plan.shardings.params)}
     for key, host in marked.items():
         if host and not flags[key]:
-            raise ConfigError(f"offload.{key}", f"is false but the state plan places {key} in {aot.HOST_KIND}")
+            raise ConfigError(f"offload.{key}", f"is false but the state plan places {key} in {offload.HOST}")
     return Placement(
         flags["optimizer"], flags["params"], getattr(offload, "activations", "none"),
         any(marked.values()),

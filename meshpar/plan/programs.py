@@ -30,7 +30,7 @@ import math
 
 import jax
 
-from meshpar import aot, integrity, trainer
+from meshpar import aot, integrity, offload, trainer
 from meshpar.config import Config
 from meshpar.plan import feed_time
 
@@ -63,7 +63,7 @@ def relay_bytes(cfg: Config, batch: dict) -> int:
 def _device_bytes(abstract) -> int:
     """Per-device bytes of the leaves of `abstract` that live in device memory (host offload
     keeps the others in pinned host memory, outside every device's peak)."""
-    return aot.shard_bytes([a for a in jax.tree.leaves(abstract) if a.sharding.memory_kind != aot.HOST_KIND])
+    return aot.shard_bytes([a for a in jax.tree.leaves(abstract) if not offload.on_host(a.sharding)])
 
 
 def runs_eval(cfg: Config) -> bool:

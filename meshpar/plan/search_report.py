@@ -56,7 +56,7 @@ def experiment_yaml(result, config_path: str, overrides, command: str, out_path:
     best = result.best
     if best is None:
         raise ConfigError("--write", "no layout fits: nothing to write")
-    raw = config_lib.apply_overrides(yaml.safe_load(pathlib.Path(config_path).read_text()) or {}, overrides)
+    raw = config_lib.apply_overrides(config_lib.read(config_path), overrides)
     rest = {k: v for k, v in raw.items() if k not in ("mesh", "layout", "param_layout")}
     chosen = {"mesh": best.cfg.mesh_str, "layout": best.cfg.layout_str}
     if best.cfg.param_layout:

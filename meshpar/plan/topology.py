@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 from meshpar.config import ConfigError
+from meshpar.schema import parse_yaml
 
 DIR = pathlib.Path(__file__).parent / "topologies"
 CPU_SIM = "cpu-sim"
@@ -132,8 +133,10 @@ def load(name_or_path: str, devices: int | None = None) -> Topology:
             raise ConfigError(KEY, f"unknown topology {name_or_path!r} (known: {', '.join(names())})")
         path = DIR / f"{name_or_path}.yaml"
     try:
-        spec = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+        spec = parse_yaml(path.read_text(), path.name)
+    except ConfigError as e:  # a key twice in one mapping
+        raise ConfigError(KEY, str(e)) from None
+    except (OSError, yaml.YAMLError, ValueError) as e:
         raise ConfigError(KEY, f"cannot read {path.name}: {' '.join(str(e).split())}") from None
     if isinstance(spec, dict) and spec.get("calibrated"):
         import jax
@@ -294,10 +297,7 @@ def measure(devices) -> dict[str, float]:
     out["copy_latency_s"] = fixed / max(n - 1, 1)
     # all-reduce over every device at 4 KiB and 4 MiB per device. Ring model (the one the
     # step-time model uses): t = 2(n-1) · latency + 2(n-1)/n · bytes / bandwidth.
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # older jax
-        from jax.experimental.shard_map import shard_map
-    reduce = jax.jit(shard_map(lambda x: jax.lax.psum(x, "devices"), mesh=mesh,
+    reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "devices"), mesh=mesh,
                                in_specs=PartitionSpec("devices"), out_specs=PartitionSpec("devices")))  # fmt: skip
     points = []
     for nbytes in (4 << 10, 4 << 20):

@@ -1,0 +1,92 @@
+"""What meshpar needs from jax beyond its public API, in one place (jax 0.10 and 0.12).
+
+Every use of a private jax API (``jax._src...``, private attributes), every match on a jax
+repr or message text, and every branch on the jax version lives here, and nowhere else
+(tests/test_jax_compat.py checks the rest of the repository for them). Each shim names the
+public API to move to once jax has one; tests/test_jax_compat.py exercises each on every
+supported jax: 0.10 in the main suite, 0.12 in the smoke run on Python 3.12 (``.ci/run``).
+
+Moved to public API (jax >= 0.10 has it; the old fallbacks were dead code):
+``jax.shard_map`` (was ``getattr(jax, "shard_map")`` with a ``jax.experimental.shard_map``
+fallback), ``jax.stages.ArgInfo.shape``/``.dtype`` (was ``ArgInfo._aval``),
+``jax.stages.Compiled.out_info`` (was a ``getattr`` with a default),
+``jax.extend.backend.get_backend().platform_version`` (was ``Device.client.platform_version``),
+``jax.Device.memory_stats()`` (was guarded by ``hasattr``). The coordination-service reads no
+longer tell a timeout from a failure by the error's text (``DEADLINE_EXCEEDED``): a read that
+fails only after its whole timeout has passed is the timeout (:mod:`meshpar.distributed`).
+
+Left where they are, on purpose: the primitive-name matching inside the planner's jaxpr
+walkers (``meshpar/plan/memory.py``, ``meshpar/plan/offload_plan.py``, ``meshpar/offload.py``)
+moves with the planner's redesign; the regex on orbax/tensorstore error text in
+``meshpar/checkpoint.py`` is about orbax and tensorstore, not jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+
+def coordination_client() -> Any | None:
+    """The coordination service's client that ``jax.distributed.initialize`` made (its
+    key-value store: ``key_value_set``, ``blocking_key_value_get``, ``key_value_dir_get``, ...),
+    or None before that (or in a single-process run that never joined).
+
+    Public API to move to: none in jax 0.10 or 0.12 (``jax.distributed`` exposes only
+    ``initialize``, ``is_initialized`` and ``shutdown``). Orbax reads the same private global.
+    """
+    from jax._src.distributed import global_state  # private: see above
+
+    return global_state.client
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value a function's backward pass keeps from its forward pass."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    # Where it comes from: "argument", "constant", "literal", "named" (a checkpoint_name tag),
+    # or the primitive whose output it is ("scan", "tanh", "jit", ...).
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+# jax's own descriptions of a residual's source (jax/_src/ad_checkpoint.py, 0.10 to 0.12).
+_SOURCES = (
+    (re.compile(r"from the argument\b"), "argument"),
+    (re.compile(r"from a constant\b"), "constant"),
+    (re.compile(r"from a literal\b"), "literal"),
+    (re.compile(r"named '"), "named"),
+    (re.compile(r"output of jitted function\b"), "jit"),
+)
+_OUTPUT_OF = re.compile(r"output of (\S+) from\b")
+
+
+def _source(description: str) -> str:
+    for pattern, source in _SOURCES:
+        if pattern.match(description):
+            return source
+    m = _OUTPUT_OF.match(description)
+    if m is None:
+        raise ValueError(f"unrecognized residual description from jax: {description!r}")
+    return m[1]
+
+
+def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
+    """The residuals jax's autodiff saves for ``jax.grad(fn)(*args)`` (args may be
+    ShapeDtypeStructs), in jax's order.
+
+    Public API to move to: ``jax.ad_checkpoint.print_saved_residuals`` prints the same list
+    as text; no public API returns it (jax 0.10, 0.12). The private function returns each
+    residual's source as a description string, parsed here into :attr:`Residual.source`.
+    """
+    from jax._src.ad_checkpoint import saved_residuals as private  # private: see above
+
+    return [Residual(tuple(aval.shape), np.dtype(aval.dtype), _source(where)) for aval, where in private(fn, *args)]
