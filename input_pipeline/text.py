@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 
 from input_pipeline.errors import DataError
+from input_pipeline.tfds_source import TfdsSource  # tfds itself loads only when a source opens
 
 VOCAB_SIZE = 256
 SEPARATOR = b"\n"
@@ -178,8 +179,6 @@ class TextSource(TextWindows):
 
 def from_tfds(name: str, split: str, data_dir: str, feature: str = "text", *, length: int) -> TextWindows:
     """Byte windows over every row of a tfds Text `feature`, rows joined with ``SEPARATOR``."""
-    from input_pipeline.tfds_source import TfdsSource  # tfds is heavy: import only when asked
-
     src = TfdsSource(name, split, data_dir, {"text": feature})
     (shape, dtype) = src.element_spec["text"]
     if dtype != np.dtype(object) or shape != ():

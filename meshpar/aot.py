@@ -1,88 +1,28 @@
-"""The real train step of a config, compiled ahead of time on abstract inputs.
+"""A config's programs compiled ahead of time on abstract inputs, and what XLA says of them.
 
-Nothing is allocated: the state is its plan (shapes and shardings, from ``eval_shape``), the
-batch and the stop flags are ``ShapeDtypeStruct``s with the shardings the run would give them.
-What XLA compiles here is exactly what :func:`meshpar.experiment.build` would run, so its
+The parts come from :mod:`meshpar.parts` (nothing allocated: the state is its plan, the batch
+and the stop flags ``ShapeDtypeStruct``s with the shardings a run gives them), so what XLA
+compiles here is exactly what :func:`meshpar.experiment.build` runs, and its
 ``memory_analysis()`` is the step's per-device memory (argument + output + temp − alias) before
 any array exists.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 
-from meshpar import compile_cache, experiment, offload, resume, stop, trainer
-from meshpar import config as config_lib
-from meshpar import inputs as inputs_lib
-from meshpar import layout as layout_lib
-from meshpar.config import Config, ConfigError
+from meshpar import offload, parts, trainer
+from meshpar.config import Config
 
 # compiled.memory_analysis() fields reported per device, in bytes.
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 
 
-@dataclasses.dataclass(frozen=True)
-class AbstractStep:
-    """The jitted train step and the abstract arguments it is lowered with."""
-
-    mesh: jax.sharding.Mesh
-    layout: layout_lib.Layout
-    plan: trainer.StatePlan
-    step: object  # jitted (state, batch, stop) -> (state, metrics)
-    args: tuple  # (state, batch, stop) as ShapeDtypeStructs with shardings
-
-    def lower(self) -> jax.stages.Lowered:
-        return self.step.lower(*self.args)
-
-
-def abstract_step(cfg: Config, mesh: jax.sharding.Mesh | None = None, element_spec: dict | None = None) -> AbstractStep:
-    """Mesh, layout, the train source's element spec, the state plan and the jitted step, as in
-    :func:`meshpar.experiment.build`, without data batches, state or checkpoints. `mesh`: one
-    built already over this process's devices (the config's own is built when None);
-    `element_spec`: the train data's, when known (the source is not opened then)."""
-    if mesh is None:
-        compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compile is cached
-        mesh = experiment.make_mesh(cfg)
-    config_lib.check_batch_size(cfg, dict(mesh.shape))  # a -1 batch axis has its size now
-    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
-    spec = element_spec
-    if spec is None:
-        source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed)
-        if source is None:
-            raise ConfigError("data", "has no train examples")
-        spec = source.element_spec
-    batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
-    tx, plan = experiment.plan_model(cfg, mesh, layout, spec, resume.horizon(cfg))
-    step = trainer.make_train_step(
-        plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches, cfg.offload.activations
-    )
-    return from_parts(cfg, mesh, layout, plan, step, batch_shardings, spec)
-
-
-def from_parts(
-    cfg: Config,
-    mesh: jax.sharding.Mesh,
-    layout: layout_lib.Layout,
-    plan: trainer.StatePlan,
-    step,
-    batch_shardings: dict,
-    element_spec: dict,
-) -> AbstractStep:
-    """The abstract step of parts built already (a run's mesh, layout, state plan, its jitted
-    train `step` and the batch's shardings), so that lowering it compiles the very function the
-    run calls; nothing is built twice."""
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
-    flags = jax.ShapeDtypeStruct((mesh.size,), jax.numpy.int32, sharding=stop.flag_sharding(mesh))
-    batch = experiment.abstract_batch(cfg, element_spec, batch_shardings)
-    return AbstractStep(mesh, layout, plan, step, (state, batch, flags))
-
-
 def compile_train_step(cfg: Config) -> jax.stages.Compiled:
     """The config's train step, lowered and compiled for its mesh (nothing allocated)."""
-    return abstract_step(cfg).lower().compile()
+    return parts.abstract_step(cfg).lower().compile()
 
 
 def _host_bytes(compiled: jax.stages.Compiled) -> tuple[int, int, int]:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jax.sharding import Mesh, NamedSharding
 
 from input_pipeline.batching import HostLoader
 from input_pipeline.feeding import FEEDERS, Feeder, process_rows
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
-from input_pipeline.tfds_source import name_problem as tfds_name_problem  # tfds itself loads only with a source
+from input_pipeline.text import VOCAB_SIZE, TextSource, from_tfds, token_dtype
+from input_pipeline.tfds_source import TfdsSource  # tfds itself loads only when a source opens
+from input_pipeline.tfds_source import name_problem as tfds_name_problem
 from meshpar.config import Config, ConfigError, DataConfig
 from meshpar.layout import Layout
 
@@ -47,22 +51,26 @@ def make_source(data: DataConfig, split: str, seed: int):
         n = data.num_examples if split == "train" else data.num_eval_examples
         return SyntheticSource(n, data.num_features, data.num_classes, seed, split) if n else None
     if data.source == "tfds":
-        from input_pipeline.tfds_source import TfdsSource  # tfds is slow to import; only when used
-
         name = data.split if split == "train" else data.eval_split
         return TfdsSource(data.name, name, data.data_dir, dict(data.fields)) if name else None
     if data.source == "text":
-        from input_pipeline.text import TextSource
-
         if split == "eval" and data.eval_fraction == 0:
             return None
         return TextSource(split, data.length, data.corpus_dir or None, data.eval_fraction, data.max_bytes or None)
     if data.source == "tfds_text":
-        from input_pipeline.text import from_tfds
-
         name = data.split if split == "train" else data.eval_split
         return from_tfds(data.name, name, data.data_dir, data.text_feature, length=data.length) if name else None
     raise ValueError(f"unknown data source {data.source!r}")
+
+
+def element_spec(data: DataConfig, seed: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The train source's per-example ``(shape, dtype)`` by field, without reading the data
+    where the config alone says it (synthetic, text); a tfds dataset's comes from its info."""
+    if data.source == "synthetic":
+        return {"inputs": ((data.num_features,), np.dtype(np.float32)), "targets": ((), np.dtype(np.int32))}
+    if data.source in ("text", "tfds_text"):
+        return {"tokens": ((data.length + 1,), token_dtype(VOCAB_SIZE))}
+    return dict(make_source(data, "train", seed).element_spec)
 
 
 def batch_shardings(element_spec: dict, layout: Layout, mesh: Mesh) -> dict[str, NamedSharding]:

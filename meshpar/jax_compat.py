@@ -15,10 +15,9 @@ fallback), ``jax.stages.ArgInfo.shape``/``.dtype`` (was ``ArgInfo._aval``),
 longer tell a timeout from a failure by the error's text (``DEADLINE_EXCEEDED``): a read that
 fails only after its whole timeout has passed is the timeout (:mod:`meshpar.distributed`).
 
-Left where they are, on purpose: the primitive-name matching inside the planner's jaxpr
-walkers (``meshpar/plan/memory.py``, ``meshpar/plan/offload_plan.py``, ``meshpar/offload.py``)
-moves with the planner's redesign; the regex on orbax/tensorstore error text in
-``meshpar/checkpoint.py`` is about orbax and tensorstore, not jax.
+Elsewhere, on purpose: jaxpr primitive names and the jax-version differences in jaxpr params
+live in :mod:`meshpar.jaxprs`, the one jaxpr walker; the regex on orbax/tensorstore error text
+in ``meshpar/checkpoint.py`` is about orbax and tensorstore, not jax.
 """
 
 from __future__ import annotations

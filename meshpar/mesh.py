@@ -266,18 +266,28 @@ def plan_devices(
     return resolved, num_devices
 
 
-def build_mesh(spec: str | Mapping[str, int] | tuple[tuple[str, int], ...]) -> Mesh:
-    """A ``jax.sharding.Mesh`` with Auto axes (see module docstring) over this host's devices.
+def build_mesh(spec: str | Mapping[str, int] | tuple[tuple[str, int], ...], devices=None) -> Mesh:
+    """A ``jax.sharding.Mesh`` with Auto axes (see module docstring) over this host's devices,
+    or over `devices` when given (a compile target's, or some of this host's): the mesh then
+    takes every one of them, in order, whatever their platform.
 
     On accelerators the mesh must use every device; on a CPU-only host it takes the first
     devices of the simulated CPU backend (start the backend via :func:`request_cpu_devices`).
     See :func:`plan_devices` for the rule.
     """
     axes = spec if isinstance(spec, tuple) else parse_mesh(spec)
-    cpu_devices_from_env()  # before the backend starts: jax sizes its CPU client from it
-    devices = jax.devices()
-    axes, count = plan_devices(axes, devices[0].platform, len(devices), jax.process_count())
-    devices = select_devices(count if devices[0].platform == "cpu" else None)
+    if devices is not None:
+        devices = list(devices)
+        axes = resolve(axes, len(devices))
+        size = math.prod(n for _, n in axes)
+        if size != len(devices):
+            shape = ",".join(f"{a}:{n}" for a, n in axes)
+            raise MeshError(f"mesh {shape} has {size} devices but {len(devices)} were given")
+    else:
+        cpu_devices_from_env()  # before the backend starts: jax sizes its CPU client from it
+        devices = jax.devices()
+        axes, count = plan_devices(axes, devices[0].platform, len(devices), jax.process_count())
+        devices = select_devices(count if devices[0].platform == "cpu" else None)
     names = tuple(a for a, _ in axes)
     shape = tuple(n for _, n in axes)
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)

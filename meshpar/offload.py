@@ -26,9 +26,9 @@ first use.
   layer's fetched weights as residuals (a remat policy, or activation offload, fetches them
   again instead).
 * **Activations** (``offload.activations``): a remat policy that saves the named values of
-  each layer (the ``checkpoint_name`` tags of :mod:`meshpar.models.transformer`) in host
-  memory, applied to the layer inside the layer loop (:mod:`meshpar.models.remat`); it
-  replaces ``model.remat``'s policy.
+  each layer (the ``checkpoint_name`` tags its family lists per policy:
+  :attr:`meshpar.models.Family.activation_names`) in host memory, applied to the layer
+  inside the layer loop (:mod:`meshpar.models.remat`); it replaces ``model.remat``'s policy.
 
 On the CPU backend the memory kinds exist and survive the step, but XLA ignores memory spaces
 inside a computation: no bytes move and ``memory_analysis()`` reports no host bytes. Only a
@@ -41,18 +41,20 @@ from typing import Any
 
 import jax
 
+from meshpar import jaxprs
+from meshpar.models import MODELS
+
 HOST = "pinned_host"
 DEVICE = "device"
 
-# offload.activations → the names (checkpoint_name tags) each transformer layer keeps in host
-# memory (attn_out is never a residual: the residual add's backward does not read it). layer_in
-# is the layer loop's carry: the step moves it to host memory, but offloading a loop's carry
-# is known to free nothing on the device (jax-ml/jax#23869).
-ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "layer_outputs": ("layer_in", "attn_residual"),
-    "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "attn_out", "mlp_hidden"),
-}
+# offload.activations → the names (checkpoint_name tags) a step keeps in host memory: each
+# family's own (meshpar.models.Family.activation_names), together. A model tags only its own
+# names, so each keeps what its family lists.
+ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {}
+for _family in MODELS.values():
+    for _policy, _names in _family.activation_names.items():
+        _known = ACTIVATION_NAMES.setdefault(_policy, ())
+        ACTIVATION_NAMES[_policy] = _known + tuple(n for n in _names if n not in _known)
 
 
 def on_host(sharding: Any) -> bool:
@@ -97,22 +99,6 @@ def memory_kinds(tree: Any) -> set[str]:
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if hasattr(x, "sharding")}
 
 
-def _to_host(destination: Any) -> bool:
-    kind = getattr(destination, "memory_kind", None)  # a sharding, or jax's TransferToMemoryKind
-    return kind in (HOST, "unpinned_host") or str(destination).endswith("Host")  # core.MemorySpace.Host
-
-
-def _subjaxprs(eqn: Any) -> list:
-    out = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                out.append(v)
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # a ClosedJaxpr
-                out.append(v.jaxpr)
-    return out
-
-
 def names_moved_to_host(jaxpr: Any) -> set[str]:
     """The ``checkpoint_name`` tags whose values a traced program (a jaxpr, e.g. ``jit(f).trace(
     ...).jaxpr``) moves to host memory: the residuals an offloading remat policy sends there.
@@ -125,18 +111,13 @@ def names_moved_to_host(jaxpr: Any) -> set[str]:
 def host_moves(jaxpr: Any) -> dict[str, tuple[int, ...]]:
     """:func:`names_moved_to_host`, each name with the (global, per layer) shape of its value."""
     found: dict[str, tuple[int, ...]] = {}
-
-    def walk(jx: Any) -> None:
+    for jx in jaxprs.nested(jaxpr):  # a tag names a value of its own jaxpr
         named: dict = {}
         for eqn in jx.eqns:
-            if eqn.primitive.name == "name":
-                named[eqn.outvars[0]] = eqn.params["name"]
-            elif eqn.primitive.name == "device_put":
-                for var, destination in zip(eqn.invars, eqn.params["devices"]):
-                    if not hasattr(var, "val") and var in named and _to_host(destination):
-                        found[named[var]] = tuple(var.aval.shape)
-            for sub in _subjaxprs(eqn):
-                walk(sub)
-
-    walk(getattr(jaxpr, "jaxpr", jaxpr))
+            tag = jaxprs.tag_of(eqn)
+            if tag is not None:
+                named[eqn.outvars[0]] = tag
+            for var in jaxprs.host_transfers(eqn):
+                if var in named:
+                    found[named[var]] = tuple(var.aval.shape)
     return found

@@ -103,7 +103,7 @@ class StatePlan:
     shardings: TrainState  # NamedShardings
     init: Callable[[], TrainState]
     # Every logical dim the model's tensors have, its parameters' and the activations' it
-    # constrains (filled by meshpar.experiment.plan_model): what layout rules can apply to.
+    # constrains (filled by meshpar.parts.plan_model): what layout rules can apply to.
     dims: frozenset[str] = frozenset()
 
     def materialize(self, layout: layout_lib.Layout, mesh: Mesh) -> TrainState:

@@ -169,7 +169,7 @@ def run_one(label: str, args) -> dict:
     """One setting, in this process: build, compile, step; its figures as a dict."""
     import jax
 
-    from meshpar import config, experiment, offload, stop, trainer
+    from meshpar import config, experiment, offload, parts, stop, trainer
     from meshpar import mesh as mesh_lib
 
     overrides, memory = SETTINGS[label]
@@ -197,7 +197,7 @@ def run_one(label: str, args) -> dict:
     exp = experiment.build(cfg)
     step, state = exp.train_step, exp.state
     if memory == "device":  # the reference: the same names saved on the devices
-        tx, plan = experiment.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
+        tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
         step = trainer.make_train_step(
             plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings,
             cfg.train.microbatches, cfg.offload.activations, activations_memory="device",

@@ -61,7 +61,7 @@ def predictions(sections: dict) -> dict:
         topo = _topology(device)
     except Exception as e:
         return {**out, "status": "failed", "note": f"topology {device['topology']}: {' '.join(str(e).split())}"}
-    from meshpar.plan import feed_time
+    from meshpar.plan import cost, feed_time
 
     rows = out["rows"]
 
@@ -89,7 +89,7 @@ def predictions(sections: dict) -> dict:
         if m.get("status") != "ok":
             continue
         cfg = config_lib.load(str(ROOT / "experiments" / "quickstart.yaml"), [f"mesh={m['mesh']}"])
-        split = feed_time.config_split(cfg, topo)
+        split = cost.config_split(cfg, topo)
         for r in m["runs"]:
             predicted = feed_time.placement_time(topo, r["mode"], split.batch_bytes, split.num_devices, split.shards,
                                                  split.fields, split.aliased(r["mode"]))  # fmt: skip

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from meshpar import aot
+    from meshpar import aot, parts
 
     table = Table(title=f"{args.config} {' '.join(args.overrides)}: compiled train step, MiB per device")
     table.add_column("variant")
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     results = []
     for extra, cfg in zip(rows, cfgs):
         try:
-            step = aot.abstract_step(cfg)
+            step = parts.abstract_step(cfg)
             figures = aot.memory(step.lower().compile())
         except ConfigError as e:
             print(f"config error: {' '.join(extra)}: {e}", file=sys.stderr)

@@ -1,13 +1,21 @@
-"""The analytic memory model against XLA's figures for the compiled train step, per experiment.
+"""The analytic memory model against XLA's figures for the compiled train step, per config.
 
-    python scripts/validate_memory.py [--json out.json] [experiments/x.yaml ...]
+    python scripts/validate_memory.py [--generated | --ci] [--target 0.10] [--json out.json] [experiments/x.yaml ...]
 
-For every shipped ``experiments/*.yaml`` and the variants in VARIANTS (remat, microbatches,
-a rolled layer loop), or the configs given: :func:`meshpar.plan.memory.analytic` (nothing
-compiled) and the real train step compiled ahead of time on abstract inputs
-(:func:`meshpar.aot.memory`), MiB per device. Nothing is allocated and no step runs.
+Two sets of configs. **shipped**: every ``experiments/*.yaml`` and the variants in VARIANTS
+(remat, microbatches, a rolled layer loop). **generated** (:func:`generated`): about three dozen
+configs drawn with a fixed seed from the shipped ones, varying the family (Transformer, MLP),
+the layout (data parallel, a model split, 2-D, a sequence split, FSDP's ``param_layout``), the
+sizes (width, heads, layers, length, hidden widths, batch), ``model.remat``,
+``train.microbatches``, the dtypes and the optimizer, over meshes of 8 simulated CPU devices
+and fewer; nobody tuned the model on them. Default: both sets; ``--generated``: that set only;
+``--ci``: the shipped set and a CI-sized slice of the generated one (:func:`ci_slice`); configs
+given as arguments: those alone.
 
-XLA sees one step program, so the analytic figures are compared on what that program holds:
+For each: :func:`meshpar.plan.memory.analytic` (nothing compiled) and the real train step
+compiled ahead of time on abstract inputs (:func:`meshpar.aot.memory`), MiB per device.
+Nothing is allocated and no step runs. XLA sees one step program, so the analytic figures are
+compared on what that program holds:
 
 * ``state+batch`` — analytic params + optimizer + one batch's slice, against XLA's argument
   bytes (exact but for the stop flags' 4 bytes);
@@ -17,6 +25,12 @@ XLA sees one step program, so the analytic figures are compared on what that pro
   flight) and the relay's copies, which live outside the step program, against XLA's
   argument + output + temp − alias, with the error; ``plan total`` is the analytic total with
   them.
+
+A row passes when its step total is within ``--target`` (default TARGET) of XLA's. A config the
+model declares out of its scope on this platform (:func:`meshpar.plan.memory.out_of_scope`) is
+listed with the reason and counts neither way; a config that cannot be planned (a config,
+layout or data error) is one line with the error and counts as a miss. Exit status: 1 when any
+row in scope misses the target, else 0.
 """
 
 from __future__ import annotations
@@ -24,7 +38,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import random
 import sys
+import time
 
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
 VARIANTS = [
@@ -37,6 +53,135 @@ VARIANTS = [
     ("experiments/quickstart.yaml", ["model.scan_unroll=1"]),
 ]
 TARGET = 0.10  # |analytic − XLA| / XLA on the step total
+SEED = 20240611  # the generated set: the same configs on every run
+GENERATED = 36  # configs in the generated set
+CI_GENERATED = 6  # of which --ci compiles this many, the cheapest of distinct layouts
+
+TRANSFORMER = "experiments/quickstart.yaml"
+MLP = "experiments/mlp_data_parallel.yaml"
+_TEXT = ["data.max_bytes=200000"]  # the element spec is all a compile needs: read little
+# Layouts by kind: (mesh, layout, param_layout or None). Sequence splits put `length` on an axis.
+TRANSFORMER_LAYOUTS = {
+    "data": [("data:8", "batch:data", None), ("data:4", "batch:data", None), ("data:2", "batch:data", None)],
+    "model": [("model:8", "d_ff:model; heads:model; vocab:model", None),
+              ("model:4", "d_ff:model; heads:model; vocab:model", None),
+              ("model:2", "d_ff:model; heads:model; vocab:model", None)],
+    "2d": [("data:4,model:2", "batch:data; d_ff:model; heads:model; vocab:model", None),
+           ("data:2,model:4", "batch:data; d_ff:model; heads:model; vocab:model", None),
+           ("rows:4,cols:2", "embed:rows; d_ff:cols; heads:cols; vocab:cols", None)],
+    "sequence": [("data:4,model:2", "batch:data; length:model", None),
+                 ("data:2,model:4", "batch:data; length:model", None),
+                 ("seq:4", "length:seq", None)],
+    "fsdp": [("data:8", "batch:data", "embed:data"),
+             ("data:4,model:2", "batch:data; d_ff:model; heads:model; vocab:model", "embed:data"),
+             ("data:4", "batch:data", "embed:data; d_ff:data")],
+}  # fmt: skip
+MLP_LAYOUTS = {
+    "data": [("data:8", "batch:data", None), ("data:4", "batch:data", None)],
+    "model": [("model:8", "hidden:model", None), ("data:4,model:2", "batch:data; hidden:model", None),
+              ("b1:2,b2:2", "pixels:(b1,b2)", None)],
+    "2d": [("data:2,model:4", "batch:data; hidden:model", None), ("data:4,model:2", "batch:data; hidden_2:model", None)],
+    "fsdp": [("data:8", "batch:data", "hidden:data"), ("data:4,model:2", "batch:data; hidden:model", "pixels:data")],
+}  # fmt: skip
+
+# Named first: configs nobody tuned the model on, each a different way of going wrong.
+NAMED = [
+    # (a) a wider 4-layer Transformer LM on a 2 x 4 mesh
+    (TRANSFORMER, ["mesh=data:2,model:4", "model.d_model=256", "model.n_heads=8", "model.d_head=32",
+                   "model.d_ff=1024", "model.n_layers=4", "train.batch_size=16", *_TEXT]),
+    # (b) FSDP with full remat at length 256
+    ("experiments/transformer_fsdp.yaml", ["model.remat=full", "data.length=256", "model.max_length=256", *_TEXT]),
+    # (c) a sequence split with gradient accumulation
+    (TRANSFORMER, ["layout=batch:data; length:model", "train.microbatches=2", *_TEXT]),
+    # (d) a wide MLP on model:8, SGD, batch 1024
+    (MLP, ["mesh=model:8", "layout=hidden:model", "model.hidden=[4096,1024]", "optimizer.name=sgd",
+           "train.batch_size=1024"]),
+    # (e) bfloat16 compute on a 2-D layout
+    ("experiments/transformer_2d.yaml", ["model.compute_dtype=bfloat16", *_TEXT]),
+]  # fmt: skip
+
+
+def _transformer(rng: random.Random, kind: str) -> list[str]:
+    mesh, layout, params = rng.choice(TRANSFORMER_LAYOUTS[kind])
+    axes = dict((a, int(n)) for a, n in (p.split(":") for p in mesh.split(",")))
+    split = max(axes.values()) if kind != "data" else 1  # what heads, d_ff and length must divide by
+    rows = axes.get("data", 1)
+    heads = rng.choice([h for h in (4, 8, 16) if h % split == 0])
+    length = rng.choice([64, 128, 256])
+    batch = rng.choice([8, 16, 32])
+    microbatches = rng.choice([1, 1, 2, 4])
+    while batch // rows % microbatches:
+        microbatches //= 2
+    out = [
+        f"mesh={mesh}", f"layout={layout}", f"model.d_model={rng.choice([64, 128, 256])}",
+        f"model.n_heads={heads}", f"model.d_head={rng.choice([16, 32])}", f"model.d_ff={rng.choice([256, 512, 1024])}",
+        f"model.n_layers={rng.choice([1, 2, 3, 4])}", f"data.length={length}", f"model.max_length={length}",
+        f"train.batch_size={batch}", f"train.microbatches={microbatches}",
+        f"model.remat={rng.choice(['none', 'none', 'full', 'dots'])}",
+        f"optimizer.name={rng.choice(['adamw', 'adamw', 'sgd'])}", *_TEXT,
+    ]  # fmt: skip
+    if params:
+        out.append(f"param_layout={params}")
+    if rng.random() < 0.15:
+        out.append("model.param_dtype=bfloat16")
+    return out
+
+
+def _mlp(rng: random.Random, kind: str) -> list[str]:
+    mesh, layout, params = rng.choice(MLP_LAYOUTS[kind])
+    axes = dict((a, int(n)) for a, n in (p.split(":") for p in mesh.split(",")))
+    rows = axes.get("data", 1)
+    hidden = rng.choice([[512, 256], [1024, 1024], [2048], [256, 256, 256], [4096, 512]])
+    batch = rng.choice([64, 256, 1024])
+    microbatches = rng.choice([1, 1, 2, 4])
+    while batch // rows % microbatches:
+        microbatches //= 2
+    out = [
+        f"mesh={mesh}", f"layout={layout}", f"model.hidden=[{','.join(map(str, hidden))}]",
+        f"data.num_features={rng.choice([784, 256, 1024])}", f"train.batch_size={batch}",
+        f"train.microbatches={microbatches}", f"model.remat={rng.choice(['none', 'full', 'dots'])}",
+        f"optimizer.name={rng.choice(['adamw', 'sgd'])}", f"model.activation={rng.choice(['relu', 'gelu', 'tanh'])}",
+    ]  # fmt: skip
+    if params:
+        out.append(f"param_layout={params}")
+    return out
+
+
+def generated() -> list[tuple[str, list[str]]]:
+    """The generated set: NAMED, then configs drawn with SEED, the layout kinds taken in turn."""
+    rng = random.Random(SEED)
+    kinds = [("transformer", k) for k in TRANSFORMER_LAYOUTS] + [("mlp", k) for k in MLP_LAYOUTS]
+    out = list(NAMED)
+    while len(out) < GENERATED:
+        family, kind = kinds[(len(out) - len(NAMED)) % len(kinds)]
+        out.append((TRANSFORMER, _transformer(rng, kind)) if family == "transformer" else (MLP, _mlp(rng, kind)))
+    return out
+
+
+def _cost(run: tuple[str, list[str]]) -> int:
+    """A rough size of a config's compile and step: its widths, depth, length and batch."""
+    from meshpar import config
+
+    try:
+        cfg = config.load(*run)
+    except ValueError:
+        return 0  # a one-line row: cheap
+    m, batch = cfg.model, cfg.train.batch_size
+    if hasattr(m, "hidden"):
+        return sum(m.hidden) * cfg.data.num_features * batch // 64
+    return m.d_model * m.n_layers * cfg.data.length * batch * (m.d_ff + 4 * m.n_heads * m.d_head) // 1024
+
+
+def ci_slice(runs: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """CI_GENERATED configs of the generated set: the cheapest of each layout (mesh and rules), cheapest first."""
+    seen, out = set(), []
+    for run in sorted(runs, key=_cost):
+        o = dict(x.split("=", 1) for x in run[1])
+        key = (run[0], o.get("layout"), o.get("param_layout"))
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return out[:CI_GENERATED]
 
 
 def _mib(n: int) -> str:
@@ -48,11 +193,18 @@ def _err(analytic: int, xla: int) -> float:
 
 
 def measure(path: str, overrides: list[str]) -> dict:
-    from meshpar import aot, config
+    """One row: the analytic breakdown against XLA's compiled step, or why there is none."""
+    import jax
+
+    from meshpar import aot, config, parts
     from meshpar.plan import memory
 
     cfg = config.load(path, [*overrides, "train.progress=false"])
-    step = aot.abstract_step(cfg)
+    row = {"config": path, "overrides": overrides}
+    reason = memory.out_of_scope(cfg, jax.default_backend())
+    if reason:
+        return {**row, "out_of_scope": reason}
+    step = parts.abstract_step(cfg)
     plan = memory.analytic(cfg, step)
     xla = aot.memory(step.lower().compile())
     c = plan.categories
@@ -67,55 +219,112 @@ def measure(path: str, overrides: list[str]) -> dict:
     for r in memory.saved_activations(cfg, step):
         by_label[r.label] = by_label.get(r.label, 0) + r.total
     return {
-        "config": path, "overrides": overrides, "analytic": c, "exact": sorted(plan.exact),
+        **row, "analytic": c, "exact": sorted(plan.exact),
         "activations_by_label": dict(sorted(by_label.items(), key=lambda kv: -kv[1])),
         "plan_total_bytes": plan.total, "xla": xla,
         "compare": {k: {"analytic_bytes": a, "xla_bytes": x, "error": _err(a, x)} for k, (a, x) in pairs.items()},
     }  # fmt: skip
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="*", help="experiment YAMLs (default: every experiments/*.yaml + variants)")
-    parser.add_argument("--json", help="write the rows here as JSON")
-    args = parser.parse_args(argv)
-    runs = [(p, []) for p in args.configs] or [(p, []) for p in sorted(glob.glob("experiments/*.yaml"))] + VARIANTS
+def _name(path: str, overrides: list[str]) -> str:
+    shown = [o for o in overrides if o not in _TEXT]
+    return path.removeprefix("experiments/").removesuffix(".yaml") + "".join(f" {o}" for o in shown)
 
-    from meshpar import config, mesh
 
-    mesh.request_cpu_devices(max(mesh.cpu_device_count(config.load(p, o).mesh) for p, o in runs))
-    from rich.console import Console
+def _table(title: str, rows: list[dict], target: float):
     from rich.table import Table
 
-    table = Table(title="analytic memory model vs XLA's compiled train step, MiB per device (error vs XLA)")
+    table = Table(title=title)
     for name in ("experiment", "params", "grads", "optimizer", "activations", "workspace", "inputs"):
-        table.add_column(name, justify="left" if name == "experiment" else "right", no_wrap=True)
+        table.add_column(name, justify="left" if name == "experiment" else "right", overflow="fold")
     for name in ("state+batch vs argument", "working set vs temp", "step total vs XLA total", "plan total"):
         table.add_column(name, justify="right")
-    rows, misses = [], 0
-    for path, overrides in runs:
-        r = measure(path, overrides)
-        rows.append(r)
+    for r in rows:
+        name = _name(r["config"], r["overrides"])
+        if "error" in r or "out_of_scope" in r:
+            text = f"cannot plan: {r['error']}" if "error" in r else f"out of scope: {r['out_of_scope']}"
+            table.add_row(name, text, *[""] * 10)
+            continue
         c, cmp = r["analytic"], r["compare"]
-        misses += abs(cmp["step total"]["error"]) > TARGET
 
         def pair(k, cmp=cmp):
             a, x, e = cmp[k]["analytic_bytes"], cmp[k]["xla_bytes"], cmp[k]["error"]
-            return f"{_mib(a)} / {_mib(x)} ({e:+.1%})"
+            mark = " ✗" if k == "step total" and abs(e) > target else ""
+            return f"{_mib(a)} / {_mib(x)} ({e:+.1%}){mark}"
 
-        name = path.removeprefix("experiments/").removesuffix(".yaml") + "".join(f" {o}" for o in overrides)
         inputs = c["inputs"] + c["queued_inputs"] + c.get("relay_inputs", 0)
         table.add_row(
             name, *(_mib(c.get(k, 0)) for k in ("params", "grads", "optimizer", "activations", "workspace")),
             _mib(inputs), pair("state+batch"), pair("working set"), pair("step total"), _mib(r["plan_total_bytes"]),
         )  # fmt: skip
-    console = Console(width=None if sys.stdout.isatty() else 220)
-    console.print(table)
-    console.print(f"{len(rows) - misses}/{len(rows)} within {TARGET:.0%} of XLA's total")
+    return table
+
+
+def _passes(r: dict, target: float) -> bool | None:
+    """True within target, False a miss (or unplannable), None out of scope."""
+    if "out_of_scope" in r:
+        return None
+    return "error" not in r and abs(r["compare"]["step total"]["error"]) <= target
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", help="experiment YAMLs (default: the shipped and the generated set)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--generated", action="store_true", help="the generated set only")
+    which.add_argument("--ci", action="store_true", help="the shipped set and a CI-sized slice of the generated one")
+    parser.add_argument("--target", type=float, default=TARGET, help=f"|error| a row may have (default {TARGET})")
+    parser.add_argument("--json", help="write the rows here as JSON")
+    args = parser.parse_args(argv)
+    shipped = [(p, []) for p in sorted(glob.glob("experiments/*.yaml"))] + VARIANTS
+    if args.configs:
+        sets = {"given": [(p, []) for p in args.configs]}
+    elif args.generated:
+        sets = {"generated": generated()}
+    elif args.ci:
+        sets = {"shipped": shipped, "generated (CI slice)": ci_slice(generated())}
+    else:
+        sets = {"shipped": shipped, "generated": generated()}
+
+    from meshpar import config, mesh
+
+    counts = []
+    for runs in sets.values():
+        for p, o in runs:
+            try:
+                counts.append(mesh.cpu_device_count(config.load(p, o).mesh))
+            except ValueError:  # reported on its row
+                pass
+    mesh.request_cpu_devices(max(counts, default=1))
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 240)
+    start, out, failed = time.perf_counter(), {"target": args.target, "seed": SEED, "sets": {}}, False
+    summary = []
+    for title, runs in sets.items():
+        rows = []
+        for path, overrides in runs:
+            try:
+                rows.append(measure(path, overrides))
+            except ValueError as e:  # ConfigError, LayoutError, MeshError, DataError, a model's refusal
+                rows.append({"config": path, "overrides": overrides, "error": " ".join(str(e).split())})
+        verdicts = [_passes(r, args.target) for r in rows]
+        scoped = [v for v in verdicts if v is not None]
+        failed |= not all(scoped)
+        console.print(_table(f"{title}: analytic memory model vs XLA's compiled train step, MiB per device", rows,
+                             args.target))  # fmt: skip
+        reasons = sorted({r["out_of_scope"] for r in rows if "out_of_scope" in r})
+        line = f"{title}: {sum(scoped)}/{len(scoped)} within {args.target:.1%} of XLA's total"
+        line += f"; out of scope: {len(rows) - len(scoped)}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        summary.append(line)
+        out["sets"][title] = rows
+    for line in summary:
+        console.print(line)
+    console.print(f"{time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": TARGET, "rows": rows}, f, indent=1)
-    return 0
+            json.dump(out, f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ Printed: the measured times in the search's order, the Spearman rank correlation
 order and the measured times (numpy; average ranks for ties), the same for the HLO-based model
 and for the analytic estimate alone over the same layouts (every measured layout is compiled
 here, so the HLO model's figure exists for each), and whether the predicted best is within 10%
-of the fastest measured. Targets: within 10%, correlation >= 0.7.
+of the fastest measured. Targets: within 10%, correlation >= 0.7. Exit status 0 when both
+are met, 1 when either is missed; a config or a layout it cannot plan or run is one line (the
+error) and counts as a miss, never a traceback.
 """
 
 from __future__ import annotations
@@ -127,23 +129,34 @@ def main(argv=None) -> int:
     from rich.table import Table
 
     from meshpar import config as config_lib
-    from meshpar import experiment
     from meshpar import layout as layout_lib
+    from meshpar import parts
+    from meshpar.plan import candidates, topology
     from meshpar.plan import search as search_lib
-    from meshpar.plan import topology
     from meshpar.plan.time_report import fmt_seconds
 
-    cfg = config_lib.load(args.config, args.overrides)
-    topo = topology.load(topology.CPU_SIM, devices=experiment.make_mesh(cfg).size)
     console = Console(width=None if sys.stdout.isatty() else 200)
-    result = search_lib.search(cfg, topo, topo.num_devices, args.top)
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        topo = topology.load(topology.CPU_SIM, devices=parts.make_mesh(cfg).size)
+        result = search_lib.search(cfg, topo, topo.num_devices, args.top)
+    except candidates.ILLEGAL as e:
+        console.print(f"{args.config}: cannot plan: {e}", markup=False, soft_wrap=True)
+        return 1
     console.print(search_lib.summary(result), markup=False)
     fitting = [r for r in result.rows if r.fits]
     picked = [(i, fitting[i]) for i in spread(len(fitting), args.count)]
-    runners = []
+    runners, failed = [], 0
     for i, row in picked:
         console.print(f"preparing rank {i + 1}: {' '.join(row.overrides)}", markup=False)
-        runners.append((i, Runner(row, topo)))
+        try:
+            runners.append((i, Runner(row, topo)))
+        except candidates.ILLEGAL as e:
+            console.print(f"rank {i + 1}: cannot run: {e}", markup=False, soft_wrap=True)
+            failed += 1
+    if len(runners) < 2:
+        console.print(f"{len(runners)} layouts ran: nothing to rank (targets missed)", markup=False)
+        return 1
     for _ in range(args.rounds):
         for _, runner in runners:
             runner.round(args.steps)
@@ -192,7 +205,7 @@ def main(argv=None) -> int:
         }  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0
+    return 0 if rho >= MIN_CORRELATION and best_gap <= BEST_WITHIN and not failed else 1
 
 
 if __name__ == "__main__":

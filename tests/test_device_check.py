@@ -111,7 +111,7 @@ def _write_sections(results: pathlib.Path) -> None:
 
 def test_the_report_sets_the_time_models_prediction_beside_each_measurement(tmp_path):
     from meshpar import config
-    from meshpar.plan import feed_time, topology
+    from meshpar.plan import cost, feed_time, topology
 
     _write_sections(tmp_path)
     (tmp_path / "sections.tsv").write_text("device\t0\t9\t40\na_feed\t0\t21\t45\n")
@@ -126,7 +126,7 @@ def test_the_report_sets_the_time_models_prediction_beside_each_measurement(tmp_
     assert rows["gpu_lm step time (median)"]["measured_over_predicted"] == pytest.approx(0.6 / 0.5)
     assert rows["gpu_lm tokens/s (per step)"]["predicted"] == pytest.approx(16384 / 0.5)
     assert rows["gpu_lm peak memory per device"]["measured_over_predicted"] == pytest.approx(0.75)
-    split = feed_time.config_split(config.load(ROOT / "experiments" / "quickstart.yaml", ["mesh=data:1,model:1"]), topo)
+    split = cost.config_split(config.load(ROOT / "experiments" / "quickstart.yaml", ["mesh=data:1,model:1"]), topo)
     routed = rows["quickstart routed placement, mesh data:1,model:1, prefetch 2"]
     assert routed["predicted"] == feed_time.placement_time(topo, "routed", split.batch_bytes, 1, 1, split.fields, False)
     summary = (tmp_path / "summary.md").read_text()

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, loop, train
+from meshpar import aot, config, experiment, loop, parts, train
 from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
 
@@ -76,7 +76,7 @@ def test_does_not_fit_is_refused_and_split_as_its_header_says(tmp_path):
     arrays = {}
     for m in sizes:
         split = config.load(path, [f"mesh=data:{8 // m},model:{m}", f"layout={layout}"])
-        arrays[m] = aot.state_bytes(aot.abstract_step(split).plan)
+        arrays[m] = aot.state_bytes(parts.abstract_step(split).plan)
     kept = {name for name, a in arrays[8].items() if a["per_device_bytes"] == a["total_bytes"]}  # not split at all
     for m, mib in zip(sizes, claimed):
         assert f"{sum(a['per_device_bytes'] for a in arrays[m].values()) / 2**20:.2f}" == mib

@@ -16,7 +16,7 @@ from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar import config as config_lib
 from meshpar import inputs
 from meshpar.mesh import build_mesh
-from meshpar.plan import feed_time, topology
+from meshpar.plan import cost, feed_time, topology
 
 MIB = 1 << 20
 
@@ -97,21 +97,21 @@ def test_batch_bytes_match_the_real_train_source(data):
     cfg = config_lib.from_dict({"model": {"name": "mlp", "hidden": [8]}, "data": data, "train": {"batch_size": 32}})
     source = inputs.make_source(cfg.data, "train", cfg.train.seed)
     rows = source.read(np.arange(32))
-    assert feed_time.process_batch_bytes(cfg) == sum(v.nbytes for v in rows.values())
-    assert feed_time.element_spec(cfg) == source.element_spec
+    assert cost.process_batch_bytes(cfg) == sum(v.nbytes for v in rows.values())
+    assert inputs.element_spec(cfg.data, cfg.train.seed) == source.element_spec
 
 
 def test_config_split_follows_the_mesh_and_the_batch_rule():
     cfg = config_lib.from_dict({"mesh": "data:-1,model:2", "layout": "batch:data; hidden:model",
                                 "model": {"name": "mlp", "hidden": [8]}, "train": {"batch_size": 64}})  # fmt: skip
-    split = feed_time.config_split(cfg, topology.load("a100-sxm-8"))
+    split = cost.config_split(cfg, topology.load("a100-sxm-8"))
     assert (split.num_devices, split.shards, split.fields) == (8, 4, 2)
     assert not split.aliased("routed")  # fresh numpy batches: no alignment promised
-    reused = feed_time.config_split(config_lib.from_dict({**config_lib.to_dict(cfg), "feed": {"reuse_buffers": True}}),
+    reused = cost.config_split(config_lib.from_dict({**config_lib.to_dict(cfg), "feed": {"reuse_buffers": True}}),
                                     topology.load("a100-sxm-8"))  # fmt: skip
     # 16 rows per shard: slices of 16 × 784 float32 inputs and of 16 int32 targets start on 64-byte boundaries.
     assert reused.aliased("routed") and reused.aliased("direct")
-    small = feed_time.config_split(cfg, topology.load("rtx4090-x4"))
+    small = cost.config_split(cfg, topology.load("rtx4090-x4"))
     assert (small.num_devices, small.shards) == (4, 2)
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshpar import aot, config, experiment, loop, stop, trainer
+from meshpar import aot, config, experiment, loop, parts, stop, trainer
 from meshpar.config import ConfigError
 from meshpar.inputs import make_source
 from meshpar.layout import Layout, LayoutError, format_rules, parse_rules
@@ -71,7 +71,7 @@ def test_param_layout_is_checked_against_every_parameter():
         }  # fmt: skip
         cfg = config.from_dict(raw)
         spec = make_source(cfg.data, "train", 0).element_spec
-        return experiment.plan_model(cfg, mesh, Layout.create(cfg.layout, dict(mesh.shape)), spec, 10)
+        return parts.plan_model(cfg, mesh, Layout.create(cfg.layout, dict(mesh.shape)), spec, 10)
 
     _, ok = plan("embed:(replica,data)")  # 12 = 3 × 4
     assert ok.shardings.params["blocks"]["w_in"].get_value().spec == P(None, ("replica", "data"), "model")
@@ -140,7 +140,7 @@ def test_fsdp_trains_like_the_plain_layout_and_resumes_from_its_checkpoints(tmp_
     plain_losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     # The same 20 batches through the FSDP layout's own state and step.
     cfg = _load(tmp_path, FSDP)
-    tx, plan = experiment.plan_model(cfg, plain.mesh, plain.layout, plain.inputs.element_spec, cfg.train.steps)
+    tx, plan = parts.plan_model(cfg, plain.mesh, plain.layout, plain.inputs.element_spec, cfg.train.steps)
     step = trainer.make_train_step(plan.graphdef, tx, plain.layout, plain.mesh, plan.shardings, plain.inputs.shardings)
     state, flags, fsdp_losses = plan.materialize(plain.layout, plain.mesh), stop.make_flags(plain.mesh, 0), []
     for i in range(20):
@@ -219,7 +219,7 @@ def test_bfloat16_weights_are_gathered_in_bfloat16(tmp_path):
     )
     dump = tmp_path / "hlo"
     options = {"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning"}
-    aot.abstract_step(cfg).lower().compile(compiler_options=options)
+    parts.abstract_step(cfg).lower().compile(compiler_options=options)
     (after,) = [f for f in dump.glob("*after_spmd-partitioning*") if "jit_step" in f.name]
     dtypes = re.findall(r"= (\w+)\[[^\]]*\][^=\n]*? all-gather\(", after.read_text())
     # One layer's six matmul weights in each pass (forward, and the backward's recompute), the
@@ -233,7 +233,7 @@ def test_shipped_fsdp_experiment_keeps_a_quarter_of_the_state_per_device(tmp_pat
     kib = {}
     for name, extra in (("fsdp", []), ("plain", ["param_layout="])):
         cfg = config.load("experiments/transformer_fsdp.yaml", ["data.max_bytes=100000", f"workdir={tmp_path}", *extra])
-        state = aot.state_bytes(aot.abstract_step(cfg).plan)
+        state = aot.state_bytes(parts.abstract_step(cfg).plan)
         kib[name] = round(sum(a["per_device_bytes"] for a in state.values()) / 1024)
     header = pathlib.Path("experiments/transformer_fsdp.yaml").read_text()
     assert f"{kib['fsdp']:,} KiB per device instead of {kib['plain']:,} KiB" in header, kib

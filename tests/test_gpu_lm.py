@@ -59,11 +59,12 @@ def test_gpu_lm_plans_and_compiles_for_an_80_and_a_141_gib_device(gib, tmp_path,
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     plan = json.loads(out.read_text())
-    params = plan["analytic"]["categories"]["params"]
-    assert 0.5e9 <= params / 4 <= 1.5e9  # float32 master weights: 4 bytes each
-    # The compiled step really holds the full model: its arguments are the weights and two
-    # AdamW moments (12 bytes per parameter), not a shrunk stand-in.
-    assert plan["xla"]["argument_bytes"] >= 3 * params
+    # bfloat16 compute on XLA:CPU is out of the analytic model's scope: the plan says so and
+    # stands on XLA's figures alone.
+    assert plan["analytic"] is None and plan["analytic_missing"].startswith("out of scope: bfloat16 compute")
+    # The compiled step really holds the full model: its arguments are the float32 weights and
+    # two AdamW moments (12 bytes per parameter), not a shrunk stand-in.
+    assert 0.5e9 <= plan["xla"]["argument_bytes"] / 12 <= 1.5e9
     assert plan["capacity"]["bytes"] == gib * GIB and plan["capacity"]["source"] == f"hardware.memory_gib={gib}"
     assert plan["fits"] and plan["needed_bytes"] <= plan["capacity"]["usable_bytes"]
     assert plan["verdict"].startswith("fits: ")

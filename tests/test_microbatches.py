@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, stop, trainer
+from meshpar import aot, config, experiment, parts, stop, trainer
 from meshpar.config import ConfigError
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
@@ -26,7 +26,7 @@ def test_microbatched_steps_train_like_one_batch(tmp_path):
     # of the whole batch at once, to float reassociation.
     cfg = _cfg(tmp_path)
     exp = experiment.build(cfg)
-    tx, plan = experiment.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, cfg.train.steps)
+    tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, cfg.train.steps)
     flags = stop.make_flags(exp.mesh, 0)
     batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(4)]
     micro = trainer.make_train_step(plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings, 4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshpar import aot, experiment, loop, train
+from meshpar import aot, experiment, loop, parts, train
 from meshpar import config as config_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
@@ -45,10 +45,10 @@ def _specs_of_every_tensor(monkeypatch, raw: dict, element_spec: dict) -> tuple[
         return out
 
     cfg = config_lib.from_dict({**raw, "train": {"batch_size": 8}})
-    mesh = experiment.make_mesh(cfg)
+    mesh = parts.make_mesh(cfg)
     with monkeypatch.context() as m:
         m.setattr(layout_lib.Layout, "sharding", recording)
-        step = aot.abstract_step(cfg, mesh, element_spec)
+        step = parts.abstract_step(cfg, mesh, element_spec)
         text = step.lower().as_text()
     specs = jax.tree.map(lambda s: s.spec, step.plan.shardings)
     return seen, specs, text, step.plan
@@ -151,8 +151,8 @@ def test_unused_rules_names_dims_and_axes():
         "mesh": "batch:4;model:2", "layout": MTF_DEFAULT, "param_layout": "embed:(replica,batch)",
         "model": TRANSFORMER, "train": {"batch_size": 8},
     })  # fmt: skip
-    step = aot.abstract_step(cfg, experiment.make_mesh(cfg), TRANSFORMER_SPEC)
-    assert experiment.unused_rules(cfg, step.mesh, step.plan) == [
+    step = parts.abstract_step(cfg, parts.make_mesh(cfg), TRANSFORMER_SPEC)
+    assert parts.unused_rules(cfg, step.mesh, step.plan) == [
         LAYOUT_LINE, "param_layout: unused rules (the mesh has no axis replica)"
     ]
     # What a layout can apply to: every parameter's dims and every activation's the model constrains.
@@ -232,7 +232,7 @@ def test_mtf_mnist_splits_every_image_as_its_header_says(tmp_path, monkeypatch):
     seen, _, _, plan = _specs_of_every_tensor(monkeypatch, raw, spec)
     # Parameters (and their optimizer state): the first kernel split 4 ways along pixels, a
     # 196x512 quarter on each device; every other one whole.
-    arrays = aot.state_bytes(aot.abstract_step(cfg).plan)
+    arrays = aot.state_bytes(parts.abstract_step(cfg).plan)
     kernel = arrays.pop("params/layers/0/kernel")
     assert kernel["shape"] == [784, 512] and kernel["per_device_bytes"] == 196 * 512 * 4
     assert len(arrays) > 10 and all(

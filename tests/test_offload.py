@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, errors, experiment, loop, offload, stop, trainer
+from meshpar import config, errors, experiment, loop, offload, parts, stop, trainer
 from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
 
@@ -90,9 +90,9 @@ def test_optimizer_and_param_offload_train_bit_identically_with_state_in_pinned_
 def test_activation_offload_matches_the_same_names_saved_on_device(tmp_path, setting):
     cfg = _cfg(tmp_path, f"offload.activations={setting}", "plan.check=false")
     exp = experiment.build(cfg)
-    tx, plan = experiment.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, 8)
-    parts = (plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings, 1, setting)
-    saved = trainer.make_train_step(*parts, activations_memory="device")
+    tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, 8)
+    step_args = (plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings, 1, setting)
+    saved = trainer.make_train_step(*step_args, activations_memory="device")
     flags = stop.make_flags(exp.mesh, 0)
     batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(STEPS)]
     # The offloading program moves the named residuals to host memory; the reference keeps them

@@ -1,4 +1,4 @@
-"""``python -m meshpar.plan``: the side-by-side table, its JSON, one-line errors; device capacity."""
+"""``python -m meshpar.plan``: the side-by-side table, its JSON, one-line errors; device cost."""
 
 import json
 import subprocess
@@ -11,7 +11,8 @@ import yaml
 from meshpar import aot
 from meshpar import config as config_lib
 from meshpar import mesh as mesh_lib
-from meshpar.plan import capacity
+from meshpar.plan import cost
+from meshpar.plan import report as report_lib
 
 TINY = """
 mesh: data:4,model:2
@@ -42,7 +43,7 @@ def test_plan_prints_the_table_and_writes_xla_figures_of_the_real_step(tmp_path,
     assert plan["xla"] == aot.step_memory(config_lib.from_dict(yaml.safe_load(TINY)))
     cap = plan["capacity"]
     assert cap["source"].startswith("host RAM") and cap["source"].endswith("/ 8 simulated cpu devices")
-    assert cap["bytes"] == capacity.host_memory_bytes() // 8
+    assert cap["bytes"] == cost.host_memory_bytes() // 8
     assert cap["usable_bytes"] == cap["bytes"] - cap["headroom_bytes"] > 0
     analytic = plan["analytic"]
     if analytic is not None:  # the analytic model's own figures are tested with it
@@ -71,32 +72,48 @@ GPU = {"bytes_limit": 80 * 2**30, "bytes_in_use": 123}
 
 
 def test_capacity_is_the_backends_limit_where_it_reports_one():
-    c = capacity.capacity_from([GPU, dict(GPU, bytes_limit=60 * 2**30)], 0.0, "gpu", host_bytes=2**40)
+    c = cost.capacity_from([GPU, dict(GPU, bytes_limit=60 * 2**30)], 0.0, "gpu", host_bytes=2**40)
     assert c.bytes == 60 * 2**30 and "bytes_limit" in c.source and "preallocated fraction" in c.source
     assert c.headroom_bytes == 3 * 2**30 and c.usable_bytes == 57 * 2**30  # 5% kept free
 
 
 def test_memory_gib_plans_for_a_smaller_device_but_never_a_larger_one():
-    small = capacity.capacity_from([GPU], 16.0, "gpu", host_bytes=None)
+    small = cost.capacity_from([GPU], 16.0, "gpu", host_bytes=None)
     assert small.bytes == 16 * 2**30 and small.source == "hardware.memory_gib=16"
-    large = capacity.capacity_from([GPU], 100.0, "gpu", host_bytes=None)
+    large = cost.capacity_from([GPU], 100.0, "gpu", host_bytes=None)
     assert large.bytes == 80 * 2**30 and "below hardware.memory_gib=100" in large.source
-    cpu = capacity.capacity_from([None] * 8, 0.25, "cpu", host_bytes=64 * 2**30)
+    cpu = cost.capacity_from([None] * 8, 0.25, "cpu", host_bytes=64 * 2**30)
     assert cpu.bytes == 2**28 and cpu.usable_bytes < 2**28
 
 
 def test_cpu_capacity_is_the_host_ram_shared_by_the_simulated_devices():
-    c = capacity.capacity_from([None] * 4, 0.0, "cpu", host_bytes=32 * 2**30)
+    c = cost.capacity_from([None] * 4, 0.0, "cpu", host_bytes=32 * 2**30)
     assert c.bytes == 8 * 2**30 and c.source == "host RAM 32.0 GiB / 4 simulated cpu devices"
     with pytest.raises(ValueError, match="set hardware.memory_gib"):
-        capacity.capacity_from([None], 0.0, "gpu", host_bytes=32 * 2**30)  # a backend without a limit
+        cost.capacity_from([None], 0.0, "gpu", host_bytes=32 * 2**30)  # a backend without a limit
     mesh = mesh_lib.build_mesh("data:2")  # the real devices: CPU reports no limit in the tests
     cfg = config_lib.from_dict({"mesh": "data:2", "model": {"name": "mlp"}})
-    real = capacity.device_capacity(cfg, mesh)
-    assert jax.devices()[0].platform == "cpu" and real.bytes == capacity.host_memory_bytes() // 2
+    real = cost.device_capacity(cfg, mesh)
+    assert jax.devices()[0].platform == "cpu" and real.bytes == cost.host_memory_bytes() // 2
 
 
 @pytest.mark.parametrize("value", ["-1", ".inf", "lots"])
 def test_memory_gib_is_a_finite_non_negative_number(value):
     with pytest.raises(config_lib.ConfigError, match=r"^hardware\.memory_gib: "):
         config_lib.from_dict({**yaml.safe_load(TINY), "hardware": {"memory_gib": yaml.safe_load(value)}})
+
+
+def test_a_config_out_of_the_models_scope_gets_no_analytic_figure_but_says_why():
+    """bfloat16 compute on XLA:CPU: the plan shows XLA's figures and says why there is no
+    analytic one, rather than a figure the model cannot stand behind; the pre-flight still
+    holds the exact state and batch bytes against the capacity."""
+    raw = yaml.safe_load(TINY)
+    cfg = config_lib.from_dict(
+        {**raw, "mesh": "data:4", "layout": "batch:data", "model": {"name": "transformer", "d_model": 32,
+         "n_heads": 2, "d_head": 16, "d_ff": 64, "n_layers": 1, "compute_dtype": "bfloat16"},
+         "data": {"source": "text", "length": 16, "max_bytes": 20000}}
+    )  # fmt: skip
+    report = report_lib.plan(cfg)
+    assert report.analytic is None
+    assert report.analytic_missing.startswith("out of scope: bfloat16 compute on XLA:CPU")
+    assert report.needed_bytes == max(p.bytes for p in report.programs)  # XLA's figures alone

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, loop
+from meshpar import aot, config, experiment, loop, parts
 from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import candidates, capacity, memory, offload_cost, offload_plan, preflight, topology
+from meshpar.plan import candidates, cost, memory, offload_cost, offload_plan, preflight, topology
 
 QUICKSTART = "experiments/quickstart.yaml"
 OFFLOAD = pathlib.Path("experiments/offload.yaml")
@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 def _step(path=QUICKSTART, *overrides):
     cfg = config.load(path, list(overrides))
-    return cfg, aot.abstract_step(cfg)
+    return cfg, parts.abstract_step(cfg)
 
 
 def _state_bytes(step, tree: str) -> int:
@@ -149,7 +149,7 @@ def _costs(cfg, topo, overlap=True):
     for label, overrides in PRICED.items():
         new = offload_cost._apply(cfg, overrides)
         out[label] = offload_cost.cost(
-            new, aot.abstract_step(new), topo, offload_cost.Option(label, overrides), overlap
+            new, parts.abstract_step(new), topo, offload_cost.Option(label, overrides), overlap
         )
     return out
 
@@ -222,7 +222,8 @@ def test_plan_cli_prints_the_offload_comparison(tmp_path, capsys):
     base = options["no offload (as configured)"]
     assert base["predicted_s"] > base["step_s"]  # the config's own step from its HLO: collectives, feed
     assert options["offload.optimizer"]["host_bytes"] > 0 and options["model.remat=full"]["host_bytes"] == 0
-    usable = int(topology.load("h100-sxm-8").memory_bytes * (1 - capacity.HEADROOM_FRACTION))
+    # The same usable bytes as the search and the pre-flight plan with (meshpar.plan.cost).
+    usable = cost.machine_capacity(config.load(QUICKSTART), topology.load("h100-sxm-8")).usable_bytes
     assert json.loads(out.read_text())["offload"]["usable_bytes"] == usable
     assert plan_cli.main(["--config", QUICKSTART, "--offload-sweep"]) == 2  # needs a machine
     assert "--offload-sweep" in capsys.readouterr().err

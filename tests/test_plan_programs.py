@@ -8,7 +8,7 @@ import pytest
 
 from input_pipeline.feeding import RoutedFeeder
 
-from meshpar import aot, config
+from meshpar import config, parts
 from meshpar.plan import programs
 from meshpar.plan import report as report_lib
 
@@ -28,7 +28,7 @@ def test_eval_and_digest_programs_are_planned_with_their_own_arguments(tmp_path)
         [*TINY, "train.eval_every=5", "checkpoint.every=5", "feed.prefetch=2", f"workdir={tmp_path}"],
     )
     report = report_lib.plan(cfg)
-    state, batch, _ = aot.abstract_step(cfg).args
+    state, batch, _ = parts.abstract_step(cfg).args
     peaks = {p.program: p for p in report.programs}
     assert list(peaks) == ["train step", "eval step", "checkpoint digest"]
     # The eval step is given the parameters (FSDP shards) and one batch; the digest, the whole state.
@@ -51,7 +51,7 @@ def test_eval_and_digest_programs_are_planned_with_their_own_arguments(tmp_path)
 )
 def test_only_the_programs_the_run_executes_are_planned(tmp_path, overrides, expected):
     cfg = config.load("experiments/quickstart.yaml", [*TINY, *overrides, f"workdir={tmp_path}"])
-    step = aot.abstract_step(cfg)
+    step = parts.abstract_step(cfg)
     peaks = programs.peaks(cfg, step, step.lower().compile())
     assert [p.program for p in peaks] == expected
     train = peaks[0].resident

@@ -13,7 +13,7 @@ import pytest
 from meshpar import config, experiment, loop, train
 from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
-from meshpar.plan import candidates, capacity, report
+from meshpar.plan import candidates, cost, report
 
 # An MLP whose parameters and Adam moments (about 1.1 MiB per device when replicated over
 # data:8) overflow a device planned at 1 MiB: split 8 ways they fit.
@@ -140,9 +140,9 @@ def test_a_resumed_state_runs_on_the_compiled_step(tmp_path, lowerings):
 def test_fsdp_dims_cover_every_weight_once_along_its_embed_like_dim():
     def params(cfg_path, *overrides):
         cfg = config.load(cfg_path, list(overrides))
-        from meshpar import aot
+        from meshpar import parts
 
-        return candidates.param_dims(aot.abstract_step(cfg).plan.abstract.params)
+        return candidates.param_dims(parts.abstract_step(cfg).plan.abstract.params)
 
     quick = params("experiments/quickstart.yaml", "data.max_bytes=100000")
     assert candidates.fsdp_dims(quick, {"batch", "d_ff", "heads", "vocab"}, 4) == ["embed"]
@@ -170,7 +170,7 @@ def test_xla_figures_that_do_not_fit_are_refused_after_the_compile(tmp_path, low
     if needed <= analytic:
         pytest.skip("XLA's figures for this config are not above the analytic total")
     # A device whose usable bytes lie between the two: the analytic check passes, XLA's fails.
-    gib = (analytic + needed) / 2 / (1 - capacity.HEADROOM_FRACTION) / capacity.GIB
+    gib = (analytic + needed) / 2 / (1 - cost.HEADROOM_FRACTION) / cost.GIB
     lowerings.clear()
     cfg = _cfg(tmp_path, f"hardware.memory_gib={gib!r}")
     with pytest.raises(ConfigError) as e:
@@ -178,3 +178,28 @@ def test_xla_figures_that_do_not_fit_are_refused_after_the_compile(tmp_path, low
     assert re.match(rf"\w[\w.]*: does not fit: needs {report.fmt_bytes(needed)} per device \(.*peak", str(e.value))
     assert len(_steps(lowerings)) == 1  # refused by the compiled step's figures
     _proposal(str(e.value))  # and still a change that fits
+
+
+def test_fsdp_takes_the_familys_dims_and_never_a_second_dim_on_an_axis():
+    from meshpar import parts
+
+    cfg = config.load("experiments/transformer_fsdp.yaml", ["data.max_bytes=100000"])
+    step = parts.abstract_step(cfg)
+    params = candidates.param_dims(step.plan.abstract.params)
+    spec = {"tokens": ((129,), np.dtype(np.uint8))}
+    sizes = dict(step.mesh.shape)
+    # Its own param_layout has embed on data: no other dim of a weight may go there too (kv
+    # would, by bytes alone: blocks/wk ('layers', 'embed', 'heads', 'kv')).
+    assert candidates.fsdp_dims(params, {"batch", "d_ff", "heads", "vocab", "embed"}, 4) == ["kv"]
+    assert candidates.fsdp_dims(params, {"batch", "d_ff", "heads", "vocab", "embed"}, 4, busy={"embed"}) == []
+    with pytest.raises(ConfigError) as e:
+        candidates.fsdp_param_layout(cfg, spec, params, ("data",), sizes)
+    assert str(e.value) == "param_layout: FSDP over data: embed is split by param_layout already (embed:data)"
+    # Without it, the family's embed; replacing it (the search), the same.
+    assert candidates.fsdp_param_layout(cfg, spec, params, ("data",), sizes, param_layout="") == "embed:data"
+    assert candidates.fsdp_dims(params, set(), 4, order=("embed",)) == ["embed"]
+    # No proposal of the pre-flight puts two dims of one parameter on one axis.
+    skipped = []
+    for cand in candidates.candidates(cfg, step.mesh, step.plan.abstract.params, spec, skipped):
+        assert "kv:" not in dict(cand.changes).get("param_layout", "")
+    assert any(why.endswith("embed is split by param_layout already (embed:data)") for _, why in skipped)

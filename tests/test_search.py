@@ -7,8 +7,7 @@ from meshpar import config as config_lib
 from meshpar import experiment
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import search as search_lib
-from meshpar.plan import search_report
-from meshpar.plan import topology
+from meshpar.plan import search_report, topology
 
 # Batch 6 and hidden 6 do not divide 4 ways, only 2: the traps the legality checks must catch.
 SMALL = {
@@ -48,9 +47,10 @@ def test_four_devices_give_48_choices_17_distinct_8_legal(small):
 
 
 def test_choices_that_do_not_divide_are_dropped_by_the_key_they_fail(small):
-    assert small.illegal.get("train.batch_size", 0) == 6  # every 4-way batch split of 6 rows
-    # hidden 6 on 4 devices; the batch and hidden on one axis (with and without FSDP)
-    assert sum(small.illegal.values()) - small.illegal["train.batch_size"] == 3
+    # Every 4-way batch split of 6 rows (4), hidden 6 on 4 devices and the batch and hidden on
+    # one axis (layout, 2); FSDP over the batch's axes where hidden is on one of them already
+    # (param_layout, 3: two of them 4-way batch splits too, found first).
+    assert small.illegal == {"train.batch_size": 4, "layout": 2, "param_layout": 3}
     for row in small.rows:
         sizes = dict(row.cfg.mesh)
         ways = {sizes[a] for _, axes in row.cfg.layout for a in ((axes,) if isinstance(axes, str) else axes)}
@@ -100,3 +100,43 @@ def test_write_without_search_is_one_config_error(tmp_path, capsys):
     assert plan_cli.main(["--config", str(src), "--write", str(tmp_path / "x.yaml")]) == 2
     assert capsys.readouterr().err.strip() == "config error: --write: goes with --search: add --search"
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_the_family_says_what_a_model_split_costs():
+    from meshpar.models import MODELS
+
+    tf = config_lib.load("experiments/quickstart.yaml", []).model
+    spec = {"tokens": ((129,), "uint8")}
+    family = MODELS["transformer"]
+    assert family.split_dims(tf) == ("heads", "d_ff", "vocab") and family.fsdp_dims(tf, spec) == ("embed",)
+    rows, width = 8, 8 * 128 * tf.d_model  # [rows, length, embed]
+    # Attention (heads) and the MLP (d_ff): output forward, input gradient backward, per layer;
+    # the vocab-split output once; remat full repeats each sublayer's forward sum.
+    assert family.activation_all_reduces(tf, spec, rows, ("heads", "d_ff", "vocab")) == (4 * tf.n_layers + 1, width)
+    assert family.activation_all_reduces(tf, spec, rows, ("d_ff",)) == (2 * tf.n_layers, width)
+    full = tf.__class__(**{**tf.__dict__, "remat": "full"})
+    assert family.activation_all_reduces(full, spec, rows, ("heads", "d_ff", "vocab"))[0] == 6 * tf.n_layers + 1
+    # The layers' FLOPs and the rest add up to the example's: the rest is the output projection.
+    layers = family.layer_flops(tf, spec)
+    assert len(layers) == family.num_layers(tf) == tf.n_layers
+    assert family.flops_per_example(tf, spec) - sum(layers) == 6 * tf.d_model * tf.vocab_size * 128
+    mlp = _cfg().model
+    mspec = {"inputs": ((16,), "float32")}
+    assert MODELS["mlp"].split_dims(mlp) == ("hidden",)
+    assert MODELS["mlp"].activation_all_reduces(mlp, mspec, 3, ("hidden",)) == (1, 3 * 10)  # into the classes
+    assert MODELS["mlp"].activation_all_reduces(mlp, mspec, 3, ()) == (0, 0)
+    assert sum(MODELS["mlp"].layer_flops(mlp, mspec)) == 6 * 16 * 6  # the output layer is not a layer
+
+
+def test_layer_flops_are_the_traced_layers():
+    from meshpar import parts
+    from meshpar.models import MODELS
+    from meshpar.plan import offload_plan
+
+    cfg = config_lib.load("experiments/transformer_data_parallel.yaml", ["model.attention=xla"])
+    step = parts.abstract_step(cfg)
+    spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
+    prof = offload_plan.profile(cfg, step)  # one device's forward: 32 / 8 rows, weights whole
+    family = MODELS["transformer"]
+    assert prof.layers == family.num_layers(cfg.model)
+    assert family.layer_flops(cfg.model, spec)[0] * 4 == pytest.approx(3 * prof.layer_flops)  # forward: a third

@@ -35,3 +35,106 @@ def test_the_train_command_defines_only_the_command():
     tree = ast.parse((REPO / "meshpar" / "train.py").read_text())
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert defined == {"run", "main"}, defined
+
+
+# ---------------------------------------------------------------------------------------------
+# Import structure: no cycle among the project's modules, imports inside functions counted, and
+# no project module imported inside a function (a lazy import is how a cycle hides).
+
+PACKAGES = ("meshpar", "input_pipeline")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _resolve(name: str, modules: dict) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
+    """module → the project modules it imports (anywhere in it), and every import of a project
+    module inside a function as (module, line, imported)."""
+    modules = _modules()
+    graph, local = {}, []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        in_function = {
+            id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+        }
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            hit = {_resolve(t, modules) for t in targets} - {None, module}
+            graph[module] |= hit
+            if hit and id(node) in in_function:
+                local += [(module, node.lineno, h) for h in sorted(hit)]
+    return graph, local
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_the_project_modules_counting_imports_inside_functions():
+    graph, _ = import_graph()
+    assert len(graph) > 50  # every module was read
+    assert cycles(graph) == []
+
+
+def test_no_project_module_is_imported_inside_a_function():
+    _, local = import_graph()
+    assert local == [], "imports of project modules inside functions (move them to the top): " + ", ".join(
+        f"{m}:{line} imports {h}" for m, line, h in local
+    )

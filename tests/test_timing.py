@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshpar import aot, config
+from meshpar import aot, config, parts
 from meshpar.plan import timing, topology
 
 # A transformer small enough to compile in about a second.
@@ -22,7 +22,7 @@ TINY = (
 def compiled(path: str, *overrides: str):
     """(config, abstract step, compiled train step) of `path` with `overrides`."""
     cfg = config.load(path, [*overrides, "train.progress=false"])
-    step = aot.abstract_step(cfg)
+    step = parts.abstract_step(cfg)
     return cfg, step, step.lower().compile()
 
 

@@ -5,6 +5,13 @@ A family is its config dataclass (validated from the ``model`` section), a ``bui
 per-example ``(shape, dtype)``, so a model sizes its input from the data), and the model
 FLOPs and tokens of one training example, for throughput and MFU. Every model has
 ``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, which is all the train step calls.
+
+A family also states what the planner (:mod:`meshpar.plan`) needs to know of it, so that the
+planner holds no knowledge of any one model: the dims a model-axis split puts on the ``model``
+axis, the dims FSDP may shard (preferred first), the activation all-reduces a model-axis split
+adds per step, its layers and their FLOPs, and the values (``checkpoint_name`` tags) each
+``offload.activations`` policy keeps in host memory. Each is computed from the config and the
+element spec alone: nothing is traced or built.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import numpy as np
 from meshpar.models import mlp, transformer
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Family:
     config: type
     build: Callable[..., Any]
@@ -27,6 +34,23 @@ class Family:
     # The batch fields the model reads: field → (rank per example or None for any, numpy dtype
     # kinds accepted: "f" float, "i"/"u" integer).
     fields: dict[str, tuple[int | None, str]]
+    # What the planner reads (see the module docstring). (config) → the dims a model-axis split
+    # puts on the ``model`` axis when the config's layout names none there.
+    split_dims: Callable[[Any], tuple[str, ...]]
+    # (config, element spec) → the parameter dims FSDP (``param_layout`` over the batch axes)
+    # may shard, preferred first; the planner takes them in this order, skipping one that does
+    # not divide or that shares a parameter with a dim already on those axes.
+    fsdp_dims: Callable[[Any, dict], tuple[str, ...]]
+    # (config, element spec, batch rows per device, the dims split over ``model``) → (count,
+    # elements each) of the all-reduces over the ``model`` axis that the split adds to one step.
+    activation_all_reduces: Callable[[Any, dict, int, tuple[str, ...]], tuple[int, int]]
+    num_layers: Callable[[Any], int]  # (config) → the layers of its layer loop
+    # (config, element spec) → training FLOPs (forward + backward) of one example in each layer
+    # of the layer loop; flops_per_example less their sum is the work outside the layers.
+    layer_flops: Callable[[Any, dict], tuple[float, ...]]
+    # offload.activations → the checkpoint_name tags whose values each layer keeps in host
+    # memory under that policy (a policy the family does not list does not apply to it).
+    activation_names: dict[str, tuple[str, ...]]
 
     def check_data(self, element_spec: dict) -> str | None:
         """What is wrong with data of this `element_spec` for this model, or None."""
@@ -41,20 +65,31 @@ class Family:
         return None
 
 
-def _lm_flops(cfg: transformer.TransformerConfig, spec: dict) -> float:
-    length = transformer.window_length(spec)
-    return transformer.flops_per_token(cfg, length) * length
-
-
 MODELS: dict[str, Family] = {
     "mlp": Family(
-        mlp.MLPConfig, mlp.build, mlp.flops_per_example, lambda cfg, spec: 1, {"inputs": (None, "fiu"), "targets": (0, "iu")}
+        config=mlp.MLPConfig,
+        build=mlp.build,
+        flops_per_example=mlp.flops_per_example,
+        tokens_per_example=lambda cfg, spec: 1,
+        fields={"inputs": (None, "fiu"), "targets": (0, "iu")},
+        split_dims=mlp.split_dims,
+        fsdp_dims=mlp.fsdp_dims,
+        activation_all_reduces=mlp.activation_all_reduces,
+        num_layers=mlp.num_layers,
+        layer_flops=mlp.layer_flops,
+        activation_names=mlp.ACTIVATION_NAMES,
     ),
     "transformer": Family(
-        transformer.TransformerConfig,
-        transformer.build,
-        _lm_flops,
-        lambda cfg, spec: transformer.window_length(spec),  # predicted tokens: length, of length + 1
-        {"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
+        config=transformer.TransformerConfig,
+        build=transformer.build,
+        flops_per_example=transformer.flops_per_example,
+        tokens_per_example=lambda cfg, spec: transformer.window_length(spec),  # predicted tokens: length, of length + 1
+        fields={"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
+        split_dims=transformer.split_dims,
+        fsdp_dims=transformer.fsdp_dims,
+        activation_all_reduces=transformer.activation_all_reduces,
+        num_layers=transformer.num_layers,
+        layer_flops=transformer.layer_flops,
+        activation_names=transformer.ACTIVATION_NAMES,
     ),
 }

@@ -112,3 +112,54 @@ def flops_per_example(cfg: MLPConfig, element_spec: dict) -> float:
     shape, _ = element_spec["inputs"]
     widths = [math.prod(shape), *cfg.hidden, cfg.num_classes]
     return float(6 * sum(a * b for a, b in zip(widths, widths[1:])))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the planner reads (meshpar.models.Family)
+
+# The MLP has no layer loop, so offload.activations does not apply to it (the config refuses it).
+ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {"none": ()}
+
+
+def _widths(cfg: MLPConfig, element_spec: dict) -> list[int]:
+    shape, _ = element_spec["inputs"]
+    return [math.prod(shape), *cfg.hidden, cfg.num_classes]
+
+
+def split_dims(cfg: MLPConfig) -> tuple[str, ...]:
+    """The first hidden layer's dim: column-split, with the next layer row-split (Megatron)."""
+    return (hidden_dim(0),)
+
+
+def fsdp_dims(cfg: MLPConfig, element_spec: dict) -> tuple[str, ...]:
+    """Every dim, by the weight elements it covers, most first (ties: input side first): a dim
+    covers the kernels and the bias it names. Taking them in this order, each unless it shares
+    a kernel with one taken, shards the most bytes."""
+    dims = ["pixels", *(hidden_dim(i) for i in range(len(cfg.hidden))), "classes"]
+    widths = _widths(cfg, element_spec)
+    covered = [0] * len(dims)
+    for i in range(len(dims) - 1):  # kernel [dims[i], dims[i + 1]] and bias [dims[i + 1]]
+        covered[i] += widths[i] * widths[i + 1]
+        covered[i + 1] += widths[i] * widths[i + 1] + widths[i + 1]
+    order = sorted(range(len(dims)), key=lambda i: -covered[i])
+    return tuple(dims[i] for i in order)
+
+
+def activation_all_reduces(cfg: MLPConfig, element_spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(count, elements each) of the all-reduces over the model axis per step, for `rows` batch
+    rows per device with `dims` split over it: one after each split hidden layer, where the
+    row-split layer after it sums its output ``[rows, next width]``."""
+    widths = _widths(cfg, element_spec)
+    split = [i for i in range(len(cfg.hidden)) if hidden_dim(i) in dims]
+    return len(split), rows * max((widths[i + 2] for i in split), default=0)
+
+
+def num_layers(cfg: MLPConfig) -> int:
+    """The hidden layers (each one checkpointed call under ``remat``); the output layer is not one."""
+    return len(cfg.hidden)
+
+
+def layer_flops(cfg: MLPConfig, element_spec: dict) -> tuple[float, ...]:
+    """Training FLOPs of one example in each hidden layer: 6 per weight of its kernel."""
+    widths = _widths(cfg, element_spec)
+    return tuple(float(6 * widths[i] * widths[i + 1]) for i in range(len(cfg.hidden)))

@@ -358,3 +358,65 @@ def flops_per_token(cfg: TransformerConfig, length: int) -> float:
     hk = cfg.n_heads * cfg.d_head
     n = cfg.n_layers * (4 * cfg.d_model * hk + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.vocab_size
     return float(6 * n + 12 * cfg.n_layers * hk * length)
+
+
+def flops_per_example(cfg: TransformerConfig, element_spec: dict) -> float:
+    """Training FLOPs of one window: :func:`flops_per_token` × its length."""
+    length = window_length(element_spec)
+    return flops_per_token(cfg, length) * length
+
+
+# ---------------------------------------------------------------------------------------------
+# What the planner reads (meshpar.models.Family)
+
+# Mesh TensorFlow's model-parallel layout: attention split by heads, the MLP by d_ff, the output
+# by vocab (the Megatron column/row pattern); embed stays whole, so activations need no gather.
+SPLIT_DIMS = ("heads", "d_ff", "vocab")
+# Every parameter has an embed dim (norms, projections, embedding, output): FSDP along it alone
+# shards every weight once.
+FSDP_DIMS = ("embed",)
+
+# offload.activations → the names (checkpoint_name tags) each layer keeps in host memory
+# (attn_out is never a residual: the residual add's backward does not read it). layer_in is the
+# layer loop's carry: the step moves it to host memory, but offloading a loop's carry is known
+# to free nothing on the device (jax-ml/jax#23869).
+ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "layer_outputs": ("layer_in", "attn_residual"),
+    "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "attn_out", "mlp_hidden"),
+}
+
+
+def split_dims(cfg: TransformerConfig) -> tuple[str, ...]:
+    return SPLIT_DIMS
+
+
+def fsdp_dims(cfg: TransformerConfig, element_spec: dict) -> tuple[str, ...]:
+    return FSDP_DIMS
+
+
+def activation_all_reduces(
+    cfg: TransformerConfig, element_spec: dict, rows: int, dims: tuple[str, ...]
+) -> tuple[int, int]:
+    """(count, elements each) of the all-reduces over the model axis per step, for `rows` batch
+    rows per device with `dims` split over it (Megatron): each split sublayer (attention by
+    ``heads``, the MLP by ``d_ff``) sums its output forward and its input's gradient backward,
+    and once more under ``remat: full`` (the recomputed forward); the ``vocab``-split output sums
+    the gradient of its input once. Each is ``[rows, length, embed]``."""
+    sublayers = ("heads" in dims) + ("d_ff" in dims)
+    per_layer = sublayers * (3 if cfg.remat == "full" else 2)
+    count = per_layer * cfg.n_layers + ("vocab" in dims)
+    return count, rows * window_length(element_spec) * cfg.d_model
+
+
+def num_layers(cfg: TransformerConfig) -> int:
+    return cfg.n_layers
+
+
+def layer_flops(cfg: TransformerConfig, element_spec: dict) -> tuple[float, ...]:
+    """Training FLOPs of one window in each layer: :func:`flops_per_token`'s per-layer terms
+    (the q, k, v, output and MLP matrices, and attention's two contractions) × the length."""
+    length = window_length(element_spec)
+    hk = cfg.n_heads * cfg.d_head
+    per_token = 6 * (4 * cfg.d_model * hk + 2 * cfg.d_model * cfg.d_ff) + 12 * hk * length
+    return (float(per_token * length),) * cfg.n_layers

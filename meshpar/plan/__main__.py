@@ -34,46 +34,36 @@ config or data mistake (an unknown ``--topology`` included), with one line ``con
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import json
 import pathlib
 import shlex
 import sys
 
+from rich.console import Console
+
 from meshpar import config as config_lib
-from meshpar import errors
+from meshpar import errors, parts
 from meshpar.config import ConfigError
+from meshpar.plan import cost, feed_time, offload_cost, search_report, time_report, timing, topology
 from meshpar.plan import report as report_lib
-from meshpar.plan import search_report
+from meshpar.plan import search as search_lib
 
 
 def _topology(cfg, name: str):
     """The named machine; for ``cpu-sim``, this host measured over the config's mesh's devices
     (started first, as a run would start them)."""
-    from meshpar.plan import topology
 
     if name == topology.CPU_SIM:
-        from meshpar import experiment
-
-        return topology.load(name, devices=experiment.make_mesh(cfg).size)
+        return topology.load(name, devices=parts.make_mesh(cfg).size)
     return topology.load(name)
-
-
-def _feed_seconds(cfg, topo) -> float:
-    from meshpar.plan import feed_time
-
-    split = feed_time.config_split(cfg, topo)
-    mode, n = cfg.feed.mode, split.num_devices
-    return feed_time.placement_time(topo, mode, split.batch_bytes, n, split.shards, split.fields, split.aliased(mode))
 
 
 def compare_feeding(cfg, topo, png: str | None) -> int:
     """Print (and draw) routed vs direct placement for batch sizes 1 MiB … 1 GiB on `topo`."""
-    from rich.console import Console
 
-    from meshpar.plan import feed_time, time_report
 
-    split = feed_time.config_split(cfg, topo)
+    split = cost.config_split(cfg, topo)
     rows = feed_time.compare(topo, split.num_devices, split.shards, split.fields)
     console = Console(width=max(Console().width, 120))
     if png:
@@ -105,10 +95,7 @@ def _write(path: str, text: str) -> None:
 def search(cfg, args, argv: list[str]) -> int:
     """Search the layouts of `cfg` on the named machine (default cpu-sim); print, and write
     the best as YAML (``--write``) and the search as JSON (``--json``)."""
-    from rich.console import Console
 
-    from meshpar.plan import search as search_lib
-    from meshpar.plan import topology
 
     if args.top is not None and args.top < 0:
         raise ConfigError("--top", f"compiles that many layouts: a count >= 0, got {args.top}")
@@ -136,24 +123,24 @@ def search(cfg, args, argv: list[str]) -> int:
 class _Offload:
     """The offload comparison of a config on a machine, and its batch-size sweep when asked."""
 
-    def __init__(self, costs, sweep, bandwidth: float, usable: int, overlap: bool):
+    def __init__(self, costs, sweep, bandwidth: float, usable: int, overlap: bool, skipped=()):
         self.costs, self.sweep, self.bandwidth, self.usable, self.overlap = costs, sweep, bandwidth, usable, overlap
+        self.skipped = list(skipped)  # offload_cost.Skipped: options that do not apply, with why
 
     def print(self, console, topo) -> None:
-        from meshpar.plan import time_report
-
         console.print(time_report.offload_table(self.costs, topo, self.bandwidth, self.usable, self.overlap))
+        for line in time_report.skipped_lines(self.skipped):
+            console.print(line, markup=False, soft_wrap=True)
         if self.sweep:
             console.print(time_report.offload_sweep_table(self.sweep, topo, self.bandwidth, self.usable, self.overlap))
 
     def to_json(self) -> dict:
-        import dataclasses
-
         def one(costs):
             return [{**dataclasses.asdict(c), "exposed_s": c.exposed_s} for c in costs]
 
         return {"host_bandwidth": self.bandwidth, "usable_bytes": self.usable, "overlap": self.overlap,
-                "options": one(self.costs), "sweep": [{"batch_size": b, "options": one(c)} for b, c in self.sweep]}  # fmt: skip
+                "options": one(self.costs), "sweep": [{"batch_size": b, "options": one(c)} for b, c in self.sweep],
+                "skipped": [dataclasses.asdict(s) for s in self.skipped]}  # fmt: skip
 
 
 def _batch_sizes(cfg, text: str) -> list[int]:
@@ -168,16 +155,52 @@ def _batch_sizes(cfg, text: str) -> list[int]:
     return sizes
 
 
-def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_s: float) -> _Offload:
-    """The offload comparison on `topo`, with the sweep over `sizes` (global batch sizes) when given."""
-    from meshpar.plan import capacity, offload_cost
-
-    costs = offload_cost.compare(cfg, topo, step, overlap, reference_s)
+def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_s: float, prepared=None,
+             skipped=None) -> _Offload:  # fmt: skip
+    """The offload comparison on `topo`, with the sweep over `sizes` (global batch sizes) when given;
+    `prepared`, `skipped`: its options planned already (:func:`meshpar.plan.offload_cost.prepare_all`)."""
+    if prepared is None:
+        skipped = []
+        prepared = offload_cost.prepare_all(cfg, step, skipped)
+    costs = offload_cost.priced(prepared, topo, overlap, reference_s)
     sweep = offload_cost.sweep(cfg, topo, sizes, overlap) if sizes else []
     # The config's planned device when it names one (hardware.memory_gib), else the machine's.
-    gib = cfg.hardware.memory_gib
-    usable = int((gib * capacity.GIB if gib > 0 else topo.memory_bytes) * (1 - capacity.HEADROOM_FRACTION))
-    return _Offload(costs, sweep, offload_cost.host_bandwidth(topo, step.mesh.size), usable, overlap)
+    usable = cost.machine_capacity(cfg, topo, step.mesh).usable_bytes
+    return _Offload(costs, sweep, offload_cost.host_bandwidth(topo, step.mesh.size), usable, overlap, skipped or ())
+
+
+@dataclasses.dataclass
+class Priced:
+    """The config's plan priced on one machine: feed, the step by term, the offload comparison;
+    or, where the machine cannot hold the plan's mesh, why (and nothing priced)."""
+
+    topology: object
+    feed_s: float = 0.0
+    step_time: timing.StepTime | None = None
+    offload: _Offload | None = None
+    unfit: str = ""  # why the plan does not fit this machine at all
+
+
+def price(cfg, step, report, topos, sizes: list[int] | None = None, overlap: bool = True) -> list[Priced]:
+    """The config's plan — its abstract `step` and `report` (:func:`meshpar.plan.report.plan`,
+    the step compiled once) — priced on each machine of `topos`, as ``--topology`` prices it;
+    the offload comparison's options are planned once for them all."""
+    skipped: list = []
+    prepared = None
+    out = []
+    for topo in topos:
+        if step.mesh.size > topo.num_devices:  # a plan for more devices than the machine has
+            out.append(Priced(topo, unfit=f"does not fit on {topo.name}: the plan's mesh "
+                                          f"({','.join(f'{a}:{n}' for a, n in step.mesh.shape.items())}) has {step.mesh.size} devices, the machine "
+                                          f"{topo.num_devices}"))  # fmt: skip
+            continue
+        if prepared is None:
+            prepared = offload_cost.prepare_all(cfg, step, skipped)
+        feed_s = cost.feed_seconds(cfg, topo)
+        step_time = timing.predict(cfg, step, report.compiled, topo, feed_s)
+        offload = _offload(cfg, step, topo, sizes, overlap, step_time.total_s, prepared, skipped)
+        out.append(Priced(topo, feed_s, step_time, offload))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,41 +234,34 @@ def main(argv: list[str] | None = None) -> int:
             if not args.compare_feeding:
                 raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")
             if not args.topology:
-                from meshpar.plan import topology
-
                 known = ", ".join(topology.names())
                 raise ConfigError("--topology", f"--compare-feeding needs a machine (known: {known})")
             return compare_feeding(cfg, _topology(cfg, args.topology), args.png)
         if not args.topology and (args.offload_sweep is not None or args.no_overlap):
             raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
                               "prices offload on a machine: add --topology NAME")  # fmt: skip
-        from meshpar import aot, experiment
 
         if args.topology:
             topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
             sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
-        step = aot.abstract_step(cfg)
-        experiment.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
+        step = parts.abstract_step(cfg)
+        parts.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
         report = report_lib.plan(cfg, step)
         if topo is not None:
-            feed_s = _feed_seconds(cfg, topo)
-            if importlib.util.find_spec("meshpar.plan.timing") is not None:
-                from meshpar.plan import timing
-
-                step_time = timing.predict(cfg, step, report.compiled, topo, feed_s)
-            offload = _offload(cfg, step, topo, sizes, not args.no_overlap, step_time.total_s if step_time else 0.0)
+            (priced,) = price(cfg, step, report, [topo], sizes, not args.no_overlap)
+            feed_s, step_time, offload = priced.feed_s, priced.step_time, priced.offload
         if args.json:
             out = report.to_json()
             if topo is not None:
                 out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": step_time and timing.to_json(step_time)}
-                out["offload"] = offload.to_json()
+                out["offload"] = offload and offload.to_json()
+                out["unfit"] = priced.unfit or None
             try:
                 pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             except OSError as e:
                 raise errors.OutputError(f"cannot write {args.json}: {e.strerror}") from None
     except Exception as e:
         return errors.report(e)
-    from rich.console import Console
 
     console = Console(width=max(Console().width, 136))
     console.print(report_lib.table(report))
@@ -253,14 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     if report.analytic_missing:
         console.print(f"analytic: {report.analytic_missing}")
     console.print(f"{report.verdict()} (needed: {report.needed_from})", markup=False)
+    if topo is not None and priced.unfit:
+        console.print(priced.unfit, markup=False)
+        return 1
     if topo is not None:
-        from meshpar.plan import time_report
-
-        if step_time is not None:
-            console.print(time_report.step_table(step_time, topo))
-        else:
-            console.print(f"time: no step-time model in this build; feed placement on {topo.name}: "
-                          f"{time_report.fmt_seconds(feed_s)} ({cfg.feed.mode})", markup=False)  # fmt: skip
+        console.print(time_report.step_table(step_time, topo))
         offload.print(console, topo)
     return 0 if report.fits else 1
 

@@ -9,14 +9,15 @@ analytic memory model (:mod:`meshpar.plan.memory`, the same check the config fai
 * ``offload.optimizer=true`` — the optimizer state lives in pinned host memory between steps
   and comes to the devices for the update (:mod:`meshpar.offload`);
 * ``param_layout`` FSDP — parameters and optimizer state also split over the batch axes of the
-  mesh, along the model's embed-like dims: the dims that cover the most parameter bytes, chosen
-  greedily from the parameters' own logical dims (the Transformer's ``embed``; the MLP's
-  ``pixels``, or ``hidden`` when the layout does not split it), never a dim the layout already
-  splits, never two dims of one parameter, never the stacked ``layers``;
+  mesh, along the dims the model family names for it (:attr:`meshpar.models.Family.fsdp_dims`,
+  in its order: the Transformer's ``embed``; the MLP's dims by the bytes they cover), each
+  taken unless a rule names it already, it does not divide, it shares a parameter with a dim
+  taken before, or a parameter of it has a dim on those axes already (the config's own
+  ``param_layout`` or layout): :func:`fsdp_param_layout`. Never the stacked ``layers``;
 * more model-axis splitting — the same devices, with a factor of 2, 4 or 8 moved from the
   (last) batch axis of the mesh to its ``model`` axis (added when the mesh has none), and
   layout rules for the model's split dims: the config's own when they name the model axis, else
-  the model family's standard ones (:data:`MODEL_DIMS`).
+  the family's (:attr:`meshpar.models.Family.split_dims`).
 
 Every combination of these is a candidate. They are tried in a fixed order: fewer changes
 first; among as many changes, the least disruptive, in the order microbatches (no extra
@@ -32,7 +33,9 @@ device links every layer of every step and changing the layout every program see
 and activation offload are not candidates: their transfers run every layer of every step.
 A candidate whose parameters and optimizer state alone (exact, from the shardings) exceed the
 usable bytes is passed over without tracing the model, so even an absurd size is settled in
-seconds; the others get the full analytic check, and the first that fits is proposed.
+seconds; the others get the full analytic check, and the first that fits is proposed. A change
+that does not apply to the config (the config it makes is refused: a ConfigError, LayoutError,
+MeshError or DataError) is skipped, and recorded with why (:attr:`Found.skipped`).
 """
 
 from __future__ import annotations
@@ -46,16 +49,17 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, trainer
+from meshpar import parts, trainer
 from meshpar import config as config_lib
+from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
-from meshpar.plan import memory
+from meshpar.models import MODELS
+from meshpar.plan import cost, memory
 
-# The dims each model family splits over the model axis when the config's layout names none
-# (Mesh TensorFlow's Transformer layout; the MLP's Megatron column/row split).
-MODEL_DIMS = {"transformer": ("heads", "d_ff", "vocab"), "mlp": ("hidden",)}
+# A change that does not apply: the errors building its config and its plan may raise.
+ILLEGAL = (ConfigError, layout_lib.LayoutError, mesh_lib.MeshError, DataError)
 MODEL_AXIS = "model"
 FACTORS = (2, 4, 8)  # microbatches and model-axis splitting: times the configured amount
 # Stacked layers are scanned over: splitting the stack would move whole layers between devices.
@@ -96,11 +100,7 @@ class Found:
     closest: Candidate | None = None
     at_least: bool = False  # `needed` is a lower bound (parameters + optimizer state only)
     tried: int = 0
-
-
-def _batch_axes(cfg: Config) -> tuple[str, ...]:
-    axes = dict(cfg.layout).get("batch")
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    skipped: tuple[tuple[str, str], ...] = ()  # (change, why it does not apply) of each one skipped
 
 
 def _mesh_str(shape: dict[str, int]) -> str:
@@ -109,16 +109,16 @@ def _mesh_str(shape: dict[str, int]) -> str:
 
 def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[str, int], str]]:
     """(factor, mesh shape, layout rules) for each valid model-axis splitting of `shape`."""
-    family = getattr(cfg.model, "name", None)
-    donors = [a for a in _batch_axes(cfg) if a != MODEL_AXIS and a in shape]
+    donors = [a for a in cost.batch_axes(cfg.layout) if a != MODEL_AXIS and a in shape]
     if not donors:
         return []
     rules = list(cfg.layout)
     if not any(axes == MODEL_AXIS or (isinstance(axes, tuple) and MODEL_AXIS in axes) for _, axes in rules):
-        if family not in MODEL_DIMS:
+        split = MODELS[cfg.model.name].split_dims(cfg.model)
+        if not split:
             return []
         named = {d for d, _ in rules}
-        rules += [(d, MODEL_AXIS) for d in MODEL_DIMS[family] if d not in named]
+        rules += [(d, MODEL_AXIS) for d in split if d not in named]
     out = []
     for factor in FACTORS:
         donor = next((a for a in reversed(donors) if shape[a] % factor == 0), None)
@@ -141,35 +141,112 @@ def param_dims(abstract_params: nnx.State) -> list[tuple[tuple, tuple, int]]:
     return out
 
 
-def fsdp_dims(params: list[tuple[tuple, tuple, int]], split: set[str], ways: int) -> list[str]:
-    """The embed-like dims to split parameters over `ways` devices of the batch axes: greedily,
-    the dim covering the most bytes of parameters that no chosen dim covers yet, among dims that
-    no rule in `split` names, that divide by `ways` wherever they occur, and that share no
-    parameter with a dim chosen before."""
-    usable = {}
+def fsdp_dims(
+    params: list[tuple[tuple, tuple, int]],
+    split: set[str],
+    ways: int,
+    order: tuple[str, ...] | None = None,
+    busy: set[str] = frozenset(),
+) -> list[str]:
+    """The dims to split parameters along over `ways` devices of the batch axes: in `order` (a
+    family's :attr:`~meshpar.models.Family.fsdp_dims`; None: every parameter dim, by the bytes of
+    the parameters it covers, most first, ties in parameter order), each dim that no rule in
+    `split` names, that divides by `ways` wherever it occurs, that shares no parameter with a
+    dim taken before, and none of whose parameters has a dim in `busy` (dims on those axes
+    already). By bytes, this is the greedy choice of the dim covering the most bytes not yet
+    covered: a dim that shares no parameter with those taken covers only uncovered ones."""
+    usable: dict[str, bool] = {}
     for dims, shape, _ in params:
         for d, size in zip(dims, shape):
             if d is not None and d not in split and d not in NEVER_SPLIT:
-                usable[d] = usable.get(d, True) and size % ways == 0
-    chosen: list[str] = []
-    while True:
-        score: dict[str, int] = {}
+                usable[d] = usable.get(d, True) and size % ways == 0 and not (set(dims) - {d}) & set(busy)
+    if order is None:
+        covered: dict[str, int] = {}
         for dims, _, n in params:
-            if set(dims) & set(chosen):
-                continue
-            for d in dims:
-                if usable.get(d) and not any(d in other and set(other) & set(chosen) for other, _, _ in params):
-                    score[d] = score.get(d, 0) + n
-        if not score:
-            return chosen
-        chosen.append(max(score, key=score.get))  # ties: the first dim met, in parameter order
+            for d in dict.fromkeys(dims):
+                if d is not None:
+                    covered[d] = covered.get(d, 0) + n
+        order = tuple(sorted(covered, key=lambda d: -covered[d]))  # stable: ties in parameter order
+    chosen: list[str] = []
+    for d in order:
+        if usable.get(d) and not any(d in dims and set(dims) & set(chosen) for dims, _, _ in params):
+            chosen.append(d)
+    return chosen
 
 
-def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State) -> list[Candidate]:
-    """Every candidate change of `cfg` (run on `mesh`), in the order they are tried."""
+def _axis_names(axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def fsdp_param_layout(
+    cfg: Config,
+    element_spec: dict,
+    params: list[tuple[tuple, tuple, int]],
+    axes: tuple[str, ...],
+    sizes: dict[str, int],
+    layout=None,
+    param_layout=None,
+) -> str:
+    """The ``param_layout`` rules that add FSDP over mesh `axes` (of a mesh of `sizes`) to
+    `param_layout` (default: the config's own) under the activation rules `layout` (default:
+    the config's): the family's FSDP dims (:attr:`meshpar.models.Family.fsdp_dims`) taken by
+    :func:`fsdp_dims`, a dim whose parameters already have a dim on one of `axes` (by either
+    rule set; ``param_layout`` overlays ``layout``) left out. Raises ConfigError on
+    ``param_layout`` saying why when no dim can be taken."""
+    layout = layout_lib.parse_rules(cfg.layout if layout is None else layout)
+    own = layout_lib.parse_rules(cfg.param_layout if param_layout is None else param_layout)
+    ways = math.prod(sizes.get(a, 1) for a in axes)
+    where = f"over {layout_lib.format_axes(axes[0] if len(axes) == 1 else axes)}" if axes else "without batch axes"
+    if ways <= 1:
+        raise ConfigError("param_layout", f"FSDP {where}: the batch is split over no axis of more than one device")
+    placed = {**dict(layout), **dict(own)}  # a parameter's placement: param_layout over layout
+    busy = {d for d, a in placed.items() if set(_axis_names(a)) & set(axes)}
+    order = MODELS[cfg.model.name].fsdp_dims(cfg.model, element_spec)
+    dims = fsdp_dims(params, set(placed), ways, order, busy)
+    if not dims:
+        raise ConfigError("param_layout", f"FSDP {where}: {_why_none(params, dict(layout), dict(own), busy, ways, order)}")
+    rule = axes[0] if len(axes) == 1 else tuple(axes)
+    return layout_lib.format_rules((*own, *((d, rule) for d in dims)))
+
+
+def _why_none(params, layout: dict, own: dict, busy: set[str], ways: int, order: tuple[str, ...]) -> str:
+    """Why none of the family's FSDP dims `order` can be taken, one reason per dim."""
+    reasons = []
+    for d in order:
+        holders = [(dims, shape) for dims, shape, _ in params if d in dims]
+        if not holders:
+            continue
+        if d in own:
+            reasons.append(f"{d} is split by param_layout already ({d}:{layout_lib.format_axes(own[d])})")
+        elif d in layout:
+            reasons.append(f"{d} is split by the layout already ({d}:{layout_lib.format_axes(layout[d])})")
+        elif d in NEVER_SPLIT:
+            reasons.append(f"{d} is never split")
+        elif sharing := sorted({o for dims, _ in holders for o in dims if o in busy and o != d}):
+            reasons.append(f"{d} shares parameters with {', '.join(sharing)}, on those axes already")
+        else:
+            sizes = sorted({s for dims, shape in holders for o, s in zip(dims, shape) if o == d and s % ways})
+            reasons.append(f"{d} (size {', '.join(map(str, sizes))}) does not divide {ways} ways")
+    if not reasons:
+        return f"the model has no parameter dim FSDP may shard (its family's: {', '.join(order) or 'none'})"
+    return "; ".join(reasons)
+
+
+def candidates(
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    abstract_params: nnx.State,
+    element_spec: dict | None = None,
+    skipped: list[tuple[str, str]] | None = None,
+) -> list[Candidate]:
+    """Every candidate change of `cfg` (run on `mesh`), in the order they are tried.
+    `element_spec`: the train data's (else from the config); `skipped`: where each change that
+    does not apply is recorded as (change, why)."""
     shape = dict(mesh.shape)
-    batch_axes = _batch_axes(cfg)
+    batch_axes = cost.batch_axes(cfg.layout)
     params = param_dims(abstract_params)
+    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed) if element_spec is None else element_spec
+    skip = skipped.append if skipped is not None else (lambda item: None)
     k0 = cfg.train.microbatches
     micro = [None, *(k0 * f for f in FACTORS)]
     remat = [None, *(["full"] if getattr(cfg.model, "remat", "full") != "full" else [])]
@@ -187,13 +264,12 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
             if rules != cfg.layout_str:
                 changes += [("layout", rules)]
         if fsdp:
-            ways = math.prod(mesh_shape[a] for a in batch_axes if a in mesh_shape)
-            split = {d for d, _ in layout_lib.parse_rules(rules or cfg.layout)} | {d for d, _ in cfg.param_layout}
-            dims = fsdp_dims(params, split, ways) if ways > 1 else []
-            if not dims:
+            axes = tuple(a for a in batch_axes if a in mesh_shape)
+            try:
+                changes += [("param_layout", fsdp_param_layout(cfg, spec, params, axes, mesh_shape, rules or cfg.layout))]
+            except ConfigError as e:
+                skip((" ".join(f"{a}={b}" for a, b in changes + [("param_layout", "FSDP")]), str(e)))
                 continue
-            axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
-            changes += [("param_layout", layout_lib.format_rules((*cfg.param_layout, *((d, axes) for d in dims))))]
         if off:
             changes += [("offload.optimizer", "true")]
         if r is not None:
@@ -203,8 +279,9 @@ def candidates(cfg: Config, mesh: jax.sharding.Mesh, abstract_params: nnx.State)
         try:
             new = config_lib.from_dict(config_lib.apply_overrides(raw, [f"{a}={b}" for a, b in changes]))
             config_lib.check_batch_size(new, mesh_shape)
-        except ConfigError:
-            continue  # e.g. microbatches that do not divide each device's rows
+        except ConfigError as e:  # e.g. microbatches that do not divide each device's rows
+            skip((" ".join(f"{a}={b}" for a, b in changes), str(e)))
+            continue
         rank = (n, factor, fsdp, off, r is not None, k or 0)
         out.append((rank, Candidate(tuple(changes), new)))
     return [c for _, c in sorted(out, key=lambda x: x[0])]
@@ -226,7 +303,7 @@ def _state_bytes(cfg: Config, mesh: jax.sharding.Mesh, abstract_state) -> int:
     )
 
 
-def search(cfg: Config, step: aot.AbstractStep, element_spec: dict, usable: int, scale: float = 1.0) -> Found:
+def search(cfg: Config, step: parts.AbstractStep, element_spec: dict, usable: int, scale: float = 1.0) -> Found:
     """The first candidate whose analytic total, times `scale`, fits in `usable` bytes per device.
 
     `step` is the config's own abstract step; `scale` (>= 1) corrects the analytic totals where
@@ -234,26 +311,29 @@ def search(cfg: Config, step: aot.AbstractStep, element_spec: dict, usable: int,
     meshes: dict[str, jax.sharding.Mesh] = {}
     best: tuple[int, Candidate, bool] | None = None
     tried = 0
-    for cand in candidates(cfg, step.mesh, step.plan.abstract.params):
+    skipped: list[tuple[str, str]] = []
+    for cand in candidates(cfg, step.mesh, step.plan.abstract.params, element_spec, skipped):
         tried += 1
         key = cand.cfg.mesh_str
         try:
             mesh = meshes.get(key) or meshes.setdefault(key, mesh_lib.build_mesh(cand.cfg.mesh))
             state = _state_bytes(cand.cfg, mesh, step.plan.abstract)
-        except (layout_lib.LayoutError, mesh_lib.MeshError, ConfigError):
+        except ILLEGAL as e:
+            skipped.append((str(cand), str(e)))
             continue
         if state * scale > usable:
             if best is None or state < best[0]:
                 best = (state, cand, True)
             continue
         try:
-            total = memory.analytic(cand.cfg, aot.abstract_step(cand.cfg, mesh, element_spec)).total
-        except (layout_lib.LayoutError, ConfigError, DataError):
+            total = memory.analytic(cand.cfg, parts.abstract_step(cand.cfg, mesh, element_spec)).total
+        except ILLEGAL as e:
+            skipped.append((str(cand), str(e)))
             continue
         if total * scale <= usable:
-            return Found(cand, int(total * scale), tried=tried)
+            return Found(cand, int(total * scale), tried=tried, skipped=tuple(skipped))
         if best is None or total < best[0]:
             best = (total, cand, False)
     if best is None:
-        return Found(None, 0, tried=tried)
-    return Found(None, int(best[0] * scale), best[1], best[2], tried)
+        return Found(None, 0, tried=tried, skipped=tuple(skipped))
+    return Found(None, int(best[0] * scale), best[1], best[2], tried, tuple(skipped))

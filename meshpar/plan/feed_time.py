@@ -26,15 +26,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 
-from meshpar.config import Config
-from meshpar.plan.topology import Link, Topology
 
 MODES = ("direct", "routed")
 
 
-def _check(mode: str, process_batch_bytes: int, num_devices: int, shards: int, topology: Topology) -> None:
+def _check(mode: str, process_batch_bytes: int, num_devices: int, shards: int, topology) -> None:
     if mode not in MODES:
         raise ValueError(f"feed mode must be one of {MODES}, got {mode!r}")
     if num_devices < 1 or num_devices > topology.num_devices:
@@ -46,7 +43,7 @@ def _check(mode: str, process_batch_bytes: int, num_devices: int, shards: int, t
 
 
 def direct_time(
-    topology: Topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
+    topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
 ) -> float:
     """Seconds to place a `batch`-byte process batch directly (see the module docstring)."""
     fixed = fields * (topology.placement_overhead[0] + num_devices * topology.host_link.latency)
@@ -65,7 +62,7 @@ def direct_time(
 
 
 def routed_time(
-    topology: Topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
+    topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
 ) -> float:
     """Seconds to place a `batch`-byte process batch through the relay (device 0)."""
     piece = batch / shards
@@ -75,7 +72,7 @@ def routed_time(
     moved = 0 if aliased and topology.host_aliasing else batch
     host_leg = fields * (topology.placement_overhead[1] + topology.host_link.latency) + moved / host
     split = batch / topology.device_memory_bandwidth if topology.device_memory_bandwidth else 0.0
-    copy: Link = topology.copy_link or topology.device_link
+    copy = topology.copy_link or topology.device_link
     # The host starts each copy as it starts a host copy (a collective step's latency is less).
     per_copy = copy.latency if topology.copy_link else max(copy.latency, topology.host_link.latency)
     others = num_devices - 1
@@ -87,7 +84,7 @@ def routed_time(
 
 
 def placement_time(
-    topology: Topology,
+    topology,
     mode: str,
     process_batch_bytes: int,
     num_devices: int,
@@ -118,79 +115,6 @@ def relay_bytes(mode: str, process_batch_bytes: int, shards: int | None = None) 
     return 2 * process_batch_bytes - (process_batch_bytes // shards if shards else 0)
 
 
-# ---- the config's side: batch bytes and its split, without building a mesh ----------------
-
-
-def element_spec(cfg: Config) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """The train source's per-example (shape, dtype) by field, without reading the data where
-    the config alone says it (synthetic, text); a tfds dataset's comes from its info."""
-    data = cfg.data
-    if data.source == "synthetic":
-        return {"inputs": ((data.num_features,), np.dtype(np.float32)), "targets": ((), np.dtype(np.int32))}
-    if data.source in ("text", "tfds_text"):
-        from input_pipeline.text import VOCAB_SIZE, token_dtype
-
-        return {"tokens": ((data.length + 1,), token_dtype(VOCAB_SIZE))}
-    from meshpar import inputs
-
-    source = inputs.make_source(data, "train", cfg.train.seed)
-    return dict(source.element_spec)
-
-
-def example_bytes(spec: dict) -> int:
-    """Bytes of one example over every field of `spec`."""
-    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in spec.values())
-
-
-def process_batch_bytes(cfg: Config) -> int:
-    """Bytes of the batch one process places per step: its share of ``train.batch_size``
-    examples (processes split the batch evenly) × the bytes of one example."""
-    rows = cfg.train.batch_size // cfg.distributed.num_processes
-    return rows * example_bytes(element_spec(cfg))
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """How a config's batch lands on a topology: devices, distinct slices, fields, bytes."""
-
-    num_devices: int
-    shards: int
-    fields: int
-    batch_bytes: int
-    # The loader's reused 64-byte-aligned buffers (feed.reuse_buffers): a whole field starts
-    # aligned; `aligned_slices`: every slice of every field does too.
-    aligned_buffers: bool = False
-    aligned_slices: bool = False
-
-    def aliased(self, mode: str) -> bool:
-        """Whether a placement in `mode` hands the devices host buffers they can wrap."""
-        return self.aligned_buffers and (mode == "routed" or self.aligned_slices)
-
-
-def config_split(cfg: Config, topology: Topology) -> Split:
-    """The config's mesh on `topology` (a -1 axis takes the devices left), how many distinct
-    batch slices the layout makes, and the process batch's bytes. No mesh is built."""
-    from meshpar.config import ConfigError
-
-    axes = dict(cfg.mesh)
-    fixed = math.prod(n for n in axes.values() if n != -1)
-    if -1 in axes.values():
-        if topology.num_devices % fixed:
-            raise ConfigError("mesh", f"{topology.num_devices} devices of {topology.name} do not divide by {fixed}")
-        axes = {a: topology.num_devices // fixed if n == -1 else n for a, n in axes.items()}
-    n = math.prod(axes.values())
-    if n > topology.num_devices:
-        raise ConfigError("mesh", f"needs {n} devices; topology {topology.name} has {topology.num_devices}")
-    rule = dict(cfg.layout).get("batch")  # one axis name, or a tuple of them
-    names = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
-    shards = math.prod(axes.get(a, 1) for a in names)
-    spec = element_spec(cfg)
-    rows = cfg.train.batch_size // cfg.distributed.num_processes
-    slices = all(rows // shards * example_bytes({k: s}) % 64 == 0 for k, s in spec.items())
-    reuse = cfg.feed.reuse_buffers
-    return Split(n, shards, len(spec), rows * example_bytes(spec), reuse, reuse and slices)
-
-
 @dataclasses.dataclass(frozen=True)
 class Row:
     batch_bytes: int
@@ -208,7 +132,7 @@ class Row:
 SIZES = tuple(1 << k for k in range(20, 31))  # 1 MiB … 1 GiB, powers of 2
 
 
-def compare(topology: Topology, num_devices: int, shards: int, fields: int = 1, sizes=SIZES) -> list[Row]:
+def compare(topology, num_devices: int, shards: int, fields: int = 1, sizes=SIZES) -> list[Row]:
     """Predicted placement time and relay memory, routed vs direct, for each batch size."""
     return [
         Row(

@@ -48,14 +48,13 @@ a GPU: ``scripts/bench_offload.py`` and ``scripts/device_check.sh``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from meshpar import aot, throughput
+from meshpar import parts, throughput
 from meshpar import config as config_lib
-from meshpar import layout as layout_lib
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
-from meshpar.plan import memory, offload_plan
+from meshpar.plan import cost as cost_lib
+from meshpar.plan import memory, offload_plan, timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +114,50 @@ def _fsdp_ways(w: offload_plan.Weights) -> int:
     return max(round(w.layer_compute / w.layer), 1) if w.layer else 1
 
 
-def cost(cfg: Config, step: aot.AbstractStep, topo, option: Option, overlap: bool = True) -> Cost:
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """An option applied to the config and planned: all that :func:`price` reads that does not
+    depend on the machine, so that one preparation is priced on any number of topologies."""
+
+    option: Option
+    cfg: Config  # with the option's overrides
+    step: parts.AbstractStep
+    plan: memory.Breakdown
+    prof: offload_plan.Profile
+    weights: offload_plan.Weights
+    place: offload_plan.Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """An option that does not apply to the config, and why (one line)."""
+
+    label: str
+    overrides: tuple[str, ...]
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.label}: {self.reason}"
+
+
+def prepare(cfg: Config, step: parts.AbstractStep, option: Option) -> Prepared:
+    """`option` on `cfg` (already with its overrides), planned as `step`: its memory plan, the
+    layer profile, the weights and where the state lives. Raises what planning it raises."""
+    return Prepared(
+        option, cfg, step, memory.analytic(cfg, step), offload_plan.profile(cfg, step),
+        offload_plan.weights(step.plan, step.layout, step.mesh), offload_plan.placement(cfg, step.plan),
+    )  # fmt: skip
+
+
+def cost(cfg: Config, step: parts.AbstractStep, topo, option: Option, overlap: bool = True) -> Cost:
     """Predicted memory and step time of `cfg` (already with `option`'s overrides) on `topo`."""
-    plan = memory.analytic(cfg, step)
-    prof = offload_plan.profile(cfg, step)
-    w = offload_plan.weights(step.plan, step.layout, step.mesh)
-    place = offload_plan.placement(cfg, step.plan)
+    return price(prepare(cfg, step, option), topo, overlap)
+
+
+def price(prepared: Prepared, topo, overlap: bool = True) -> Cost:
+    """Predicted memory and step time of a prepared option on `topo` (see the module docstring)."""
+    p = prepared
+    cfg, step, option, plan, prof, w, place = p.cfg, p.step, p.option, p.plan, p.prof, p.weights, p.place
     rate = topo.peak(throughput.compute_dtype(cfg.model)) * topo.efficiency
     hbm = topo.device_memory_bandwidth or float("inf")
     bw, latency = host_bandwidth(topo, step.mesh.size), topo.host_link.latency
@@ -132,7 +169,7 @@ def cost(cfg: Config, step: aot.AbstractStep, topo, option: Option, overlap: boo
         return max(bytes_in, bytes_out) / bw + latency if bytes_in or bytes_out else 0.0
 
     def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` gathered
-        return nbytes * (ways - 1) / ways / link.bandwidth + link.latency * (ways - 1) if ways > 1 else 0.0
+        return cost_lib.collective_seconds("all-gather", nbytes, ways, link)
 
     offloaded = prof.named_bytes(offload_plan.OFFLOADED_NAMES[place.activations])
     weights_in = w.layer if place.params else 0
@@ -178,11 +215,13 @@ SETTINGS = (
 NO_OFFLOAD = ("offload.optimizer=false", "offload.params=false", "offload.activations=none")
 
 
-def options(cfg: Config, step: aot.AbstractStep) -> list[Option]:
+def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None = None) -> list[Option]:
     """Each offload setting (:data:`SETTINGS`; the first, no offload, is the base the others
     are compared with), then the other ways of freeing memory — ``model.remat``, microbatches
-    ×2 and ×4, FSDP ``param_layout`` — each on the config without offload. The config's own
-    offload setting is marked "(as configured)"."""
+    ×2 and ×4, FSDP ``param_layout`` (the model family's FSDP dims over the batch axes, as the
+    pre-flight adds them: :func:`meshpar.plan.candidates.fsdp_param_layout`) — each on the
+    config without offload. The config's own offload setting is marked "(as configured)".
+    FSDP that no dim of the model can take is recorded in `skipped`, with why."""
     off = cfg.offload
     own = (off.optimizer, off.params, off.activations)
     out = []
@@ -200,15 +239,15 @@ def options(cfg: Config, step: aot.AbstractStep) -> list[Option]:
     k = cfg.train.microbatches
     out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations")
             for f in (2, 4)]  # fmt: skip
-    batch_axes = candidates_lib._batch_axes(cfg)
-    ways = math.prod(step.mesh.shape[a] for a in batch_axes if a in step.mesh.shape)
-    split = {d for d, _ in cfg.layout} | {d for d, _ in cfg.param_layout}
-    dims = (
-        candidates_lib.fsdp_dims(candidates_lib.param_dims(step.plan.abstract.params), split, ways) if ways > 1 else []
-    )
-    if dims:
-        axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
-        rules = layout_lib.format_rules((*cfg.param_layout, *((d, axes) for d in dims)))
+    sizes = dict(step.mesh.shape)
+    axes = tuple(a for a in cost_lib.batch_axes(cfg.layout) if a in sizes)
+    params = candidates_lib.param_dims(step.plan.abstract.params)
+    try:
+        rules = candidates_lib.fsdp_param_layout(cfg, _element_spec(step), params, axes, sizes)
+    except ConfigError as e:
+        if skipped is not None:
+            skipped.append(Skipped("param_layout", (), str(e).removeprefix(f"{e.key}: ")))
+    else:
         out.append(Option(f"param_layout={rules}", (*NO_OFFLOAD, f"param_layout={rules}"), "state"))
     return out
 
@@ -217,39 +256,60 @@ def _apply(cfg: Config, overrides) -> Config:
     return config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(cfg), list(overrides)))
 
 
-def compare(
-    cfg: Config, topo, step: aot.AbstractStep | None = None, overlap: bool = True, reference_s: float = 0.0
-) -> list[Cost]:
-    """Every option of :func:`options` on `topo`: memory and time (nothing compiled). An option
-    the config cannot take (microbatches that do not divide each device's rows) is left out.
-    `reference_s`: the config's predicted step (:func:`reference`), the base of ``predicted_s``.
-    The first is the config without offload, the base every other is compared with."""
-    step = step or aot.abstract_step(cfg)
+def prepare_all(
+    cfg: Config, step: parts.AbstractStep | None = None, skipped: list[Skipped] | None = None
+) -> list[Prepared]:
+    """Every option of :func:`options`, applied to `cfg` (planned as `step`) and planned, nothing
+    compiled. An option the config cannot take — its config or its plan is refused (a
+    ConfigError, LayoutError, MeshError or DataError: microbatches that do not divide each
+    device's rows, a ``param_layout`` that puts two dims of a parameter on one axis) — is left
+    out and recorded in `skipped` with why."""
+    step = step or parts.abstract_step(cfg)
     out = []
-    for option in options(cfg, step):
+    for option in options(cfg, step, skipped):
         try:
             new = _apply(cfg, option.overrides)
             config_lib.check_batch_size(new, dict(step.mesh.shape))
-        except ConfigError:
-            continue
-        out.append(cost(new, aot.abstract_step(new, step.mesh, _element_spec(step)), topo, option, overlap))
+            out.append(prepare(new, parts.abstract_step(new, step.mesh, _element_spec(step)), option))
+        except candidates_lib.ILLEGAL as e:
+            if skipped is not None:
+                skipped.append(Skipped(option.label, option.overrides, str(e)))
+    return out
+
+
+def priced(prepared: list[Prepared], topo, overlap: bool = True, reference_s: float = 0.0) -> list[Cost]:
+    """Each prepared option (:func:`prepare_all`) priced on `topo`; `reference_s`: the config's
+    predicted step (:func:`reference`), the base of ``predicted_s``."""
+    out = [price(p, topo, overlap) for p in prepared]
+    if not out:
+        return []
     # The reference is the config's compiled step, whose HLO holds no host transfers (XLA:CPU
     # drops them), so it stands for the step without offload: the first option.
     return [dataclasses.replace(c, predicted_s=reference_s + c.step_s - out[0].step_s) for c in out]
 
 
-def reference(cfg: Config, step: aot.AbstractStep, topo) -> float:
+def compare(
+    cfg: Config,
+    topo,
+    step: parts.AbstractStep | None = None,
+    overlap: bool = True,
+    reference_s: float = 0.0,
+    skipped: list[Skipped] | None = None,
+) -> list[Cost]:
+    """Every option of :func:`options` on `topo`: memory and time (nothing compiled); one the
+    config cannot take is left out, and recorded in `skipped` (:func:`prepare_all`).
+    `reference_s`: the config's predicted step (:func:`reference`), the base of ``predicted_s``.
+    The first is the config without offload, the base every other is compared with."""
+    return priced(prepare_all(cfg, step, skipped), topo, overlap, reference_s)
+
+
+def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
     """The config's step time on `topo` from its compiled HLO, batch placement included
     (:func:`meshpar.plan.timing.predict`; compiled here, nothing allocated)."""
-    from meshpar.plan import feed_time, timing
-
-    split = feed_time.config_split(cfg, topo)
-    mode, n = cfg.feed.mode, split.num_devices
-    feed_s = feed_time.placement_time(topo, mode, split.batch_bytes, n, split.shards, split.fields, split.aliased(mode))
-    return timing.predict(cfg, step, step.lower().compile(), topo, feed_s).total_s
+    return timing.predict(cfg, step, step.lower().compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
 
 
-def _element_spec(step: aot.AbstractStep) -> dict:
+def _element_spec(step: parts.AbstractStep) -> dict:
     """The train data's element spec, from the abstract batch (so no source is opened again)."""
     return {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
 
@@ -262,7 +322,7 @@ def sweep(
     out = []
     for b in batch_sizes:
         sized = _apply(cfg, [f"train.batch_size={b}"])
-        step = aot.abstract_step(sized)
+        step = parts.abstract_step(sized)
         out.append((b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0)))
     return out
 

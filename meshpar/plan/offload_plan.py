@@ -26,9 +26,10 @@ import math
 import jax
 from flax import nnx
 
-from meshpar import aot, offload, trainer
+from meshpar import aot, jaxprs, offload, parts, trainer
 from meshpar.config import Config, ConfigError
 from meshpar.models import MODELS
+from meshpar.plan import shapes
 
 # offload.activations → the checkpoint_name tags whose values are saved in host memory (every
 # other value of the layer is recomputed in the backward pass).
@@ -93,51 +94,11 @@ class Profile:
         return sum(self.named.get(n, 0) for n in names)
 
 
-def _dot_flops(eqn) -> tuple[float, bool]:
-    """(FLOPs, has batch dims) of a dot_general: 2 × output elements × contracted elements."""
-    lhs = eqn.invars[0].aval.shape
-    (contracting, _), (batch, _) = eqn.params["dimension_numbers"]
-    out = eqn.outvars[0].aval
-    return 2.0 * math.prod(out.shape) * math.prod(lhs[d] for d in contracting), bool(batch)
-
-
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                yield inner
-
-
-def _walk(jaxpr, copies: int, in_layer: bool, acc: dict) -> None:
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            flops, batched = _dot_flops(eqn)
-            acc["layer" if in_layer else "other"] += flops * copies
-            acc["batched"] += flops * copies if in_layer and batched else 0
-        elif name == "name" and in_layer:
-            aval = eqn.invars[0].aval
-            acc["named"][eqn.params["name"]] += math.prod(aval.shape) * aval.dtype.itemsize * copies
-        elif name in ("checkpoint", "remat", "remat2"):
-            acc["layers"] += copies
-            for inner in _subjaxprs(eqn):
-                _walk(inner, copies, True, acc)
-        elif name == "scan":
-            for inner in _subjaxprs(eqn):
-                _walk(inner, copies * eqn.params["length"], in_layer, acc)
-        else:
-            for inner in _subjaxprs(eqn):
-                _walk(inner, copies, in_layer, acc)
-
-
-def profile(cfg: Config, step: aot.AbstractStep) -> Profile:
+def profile(cfg: Config, step: parts.AbstractStep) -> Profile:
     """The model's forward pass at one device's shapes of one microbatch (see the module docstring)."""
-    from meshpar.plan import memory  # the per-device shapes the memory model traces at
-
     state, batch, _ = step.args
-    params = memory._local_params(state.params, step.layout, step.mesh)
-    local = memory._local_batch(cfg, batch)
+    params = shapes.local_params(state.params, step.layout, step.mesh)
+    local = shapes.device_batch(cfg, step)
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
     model = dataclasses.replace(cfg.model, remat="full")  # every layer one checkpointed call
     graphdef, _ = trainer.abstract_model(functools.partial(MODELS[cfg.model.name].build, model, spec))
@@ -146,7 +107,14 @@ def profile(cfg: Config, step: aot.AbstractStep) -> Profile:
         return nnx.merge(graphdef, params).loss(batch, rngs=nnx.Rngs(dropout=jax.random.key(0)))[0]
 
     acc = {"layer": 0.0, "other": 0.0, "batched": 0.0, "layers": 0, "named": collections.Counter()}
-    _walk(jax.make_jaxpr(forward)(params, local).jaxpr, 1, False, acc)
+    for eqn, copies, in_layer in jaxprs.walk(jax.make_jaxpr(forward)(params, local)):
+        flops, batched = jaxprs.matmul_flops(eqn)
+        acc["layer" if in_layer else "other"] += flops * copies
+        acc["batched"] += flops * copies if in_layer and batched else 0
+        tag = jaxprs.tag_of(eqn)
+        if tag is not None and in_layer:
+            acc["named"][tag] += jaxprs.nbytes(eqn.invars[0]) * copies
+        acc["layers"] += copies if jaxprs.is_layer_call(eqn) else 0
     n = max(acc["layers"], 1)
     named = {k: v // n for k, v in acc["named"].items()}
     return Profile(acc["layers"], acc["layer"] / n, acc["batched"] / n, acc["other"], named)
@@ -166,9 +134,7 @@ class Weights:
 def weights(plan: trainer.StatePlan, layout, mesh) -> Weights:
     """One layer's slice of every stacked parameter (leading dim ``layers``) and the other
     parameters, per device (see :class:`Weights`)."""
-    from meshpar.plan import memory
-
-    acts = memory._act_shardings(plan.abstract.params, layout, mesh)
+    acts = shapes.act_shardings(plan.abstract.params, layout, mesh)
     sums = {"layer": 0.0, "other": 0.0, "layer_compute": 0.0, "other_compute": 0.0}
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for var, own, act in zip(variables, jax.tree.leaves(plan.shardings.params), acts):

@@ -4,8 +4,10 @@
 (shapes and shardings only) and before any state is initialised, restored or placed:
 
 1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory`) against the usable
-   bytes of one device (:mod:`meshpar.plan.capacity`). Nothing is compiled, so a layout that
-   cannot fit, however absurd its size, is refused in seconds.
+   bytes of one device (:func:`meshpar.plan.cost.device_capacity`). Nothing is compiled, so a
+   layout that cannot fit, however absurd its size, is refused in seconds. For a config out of
+   the model's scope on its platform (:func:`meshpar.plan.memory.out_of_scope`) only the exact
+   categories (state and batches) are held against the capacity here.
 2. :func:`check_compiled` — the train step compiled ahead of time on abstract arguments
    (:func:`meshpar.plan.report.plan`), refused if XLA's figures (the peak of every program the
    run executes) do not fit. The run then calls that compiled step: it is not compiled twice.
@@ -24,10 +26,10 @@ from __future__ import annotations
 
 import jax
 
-from meshpar import aot, distributed
+from meshpar import distributed, parts
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
-from meshpar.plan import capacity as capacity_lib
+from meshpar.plan import cost
 from meshpar.plan import memory
 from meshpar.plan import report as report_lib
 from meshpar.plan.report import fmt_bytes
@@ -43,15 +45,22 @@ def _agree(name: str, value, combine):
     return distributed.agree(f"preflight/{name}", value, combine, AGREE_TIMEOUT_S)
 
 
-def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> capacity_lib.Capacity:
+def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> cost.Capacity:
     """The usable capacity every process plans with: the smallest of all processes'."""
-    own = capacity_lib.device_capacity(cfg, mesh)
+    own = cost.device_capacity(cfg, mesh)
     smallest = _agree(
         "capacity", [own.bytes, own.source, own.headroom_bytes], lambda vs: min(vs, key=lambda v: v[0] - v[2])
     )
     if smallest[0] - smallest[2] < own.usable_bytes:
-        return capacity_lib.Capacity(smallest[0], f"{smallest[1]} (the smallest of the processes)", smallest[2])
+        return cost.Capacity(smallest[0], f"{smallest[1]} (the smallest of the processes)", smallest[2])
     return own
+
+
+def in_scope(cfg: Config, step: parts.AbstractStep) -> bool:
+    """Whether the analytic model gives a figure for this config on its platform: out of its
+    scope (:func:`meshpar.plan.memory.out_of_scope`) the compiled check alone decides; the
+    analytic breakdown still names the largest category and sizes the candidates."""
+    return memory.out_of_scope(cfg, report_lib.platform(step)) is None
 
 
 def _largest(breakdown: memory.Breakdown) -> tuple[str, int]:
@@ -60,11 +69,11 @@ def _largest(breakdown: memory.Breakdown) -> tuple[str, int]:
 
 def refusal(
     cfg: Config,
-    step: aot.AbstractStep,
+    step: parts.AbstractStep,
     element_spec: dict,
     needed: int,
     breakdown: memory.Breakdown,
-    capacity: capacity_lib.Capacity,
+    capacity: cost.Capacity,
     by: str = "",
 ) -> ConfigError:
     """The one-line error for a config that needs `needed` bytes per device (`by`: by which
@@ -89,30 +98,35 @@ def refusal(
 
 
 def check_analytic(
-    cfg: Config, step: aot.AbstractStep, element_spec: dict
-) -> tuple[memory.Breakdown, capacity_lib.Capacity]:
+    cfg: Config, step: parts.AbstractStep, element_spec: dict
+) -> tuple[memory.Breakdown, cost.Capacity]:
     """The analytic model against the capacity; raises the refusal (see :func:`refusal`) when it
     does not fit. Nothing is compiled or allocated."""
     capacity = device_capacity(cfg, step.mesh)
     breakdown = memory.analytic(cfg, step)
-    if breakdown.total > capacity.usable_bytes:
-        raise refusal(cfg, step, element_spec, breakdown.total, breakdown, capacity)
+    # Out of the model's scope its exact categories (state, batches) still bound the need from below.
+    if in_scope(cfg, step):
+        needed, by = breakdown.total, ""
+    else:
+        needed, by = sum(breakdown.categories.get(c, 0) for c in breakdown.exact), "state and batches alone"
+    if needed > capacity.usable_bytes:
+        raise refusal(cfg, step, element_spec, needed, breakdown, capacity, by=by)
     return breakdown, capacity
 
 
 def check_compiled(
     cfg: Config,
-    step: aot.AbstractStep,
+    step: parts.AbstractStep,
     element_spec: dict,
     breakdown: memory.Breakdown,
-    capacity: capacity_lib.Capacity,
+    capacity: cost.Capacity,
 ) -> dict[str, jax.stages.Compiled]:
     """Compile the train step ahead of time and hold XLA's figures against the capacity; raises
     the refusal when they do not fit (the candidates are then held to the analytic totals
     scaled by XLA's excess). Returns every program the run executes, compiled, by name (see
     :mod:`meshpar.plan.programs`: ``train step``, ``eval step``, ``checkpoint digest``), for
     the run to call instead of compiling them again."""
-    report = report_lib.plan(cfg, step, breakdown)
+    report = report_lib.plan(cfg, step, breakdown if in_scope(cfg, step) else None)
     needed = _agree("needed", report.needed_bytes, max)
     if needed > capacity.usable_bytes:
         raise refusal(cfg, step, element_spec, needed, breakdown, capacity, by=report.needed_from)

@@ -30,9 +30,9 @@ import math
 
 import jax
 
-from meshpar import aot, integrity, offload, trainer
+from meshpar import aot, integrity, offload, parts, trainer
 from meshpar.config import Config
-from meshpar.plan import feed_time
+from meshpar.plan import cost, feed_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def saves(cfg: Config) -> bool:
     return bool(cfg.checkpoint.every or cfg.checkpoint.resume == "auto")
 
 
-def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> list[Peak]:
+def peaks(cfg: Config, step: parts.AbstractStep, train: jax.stages.Compiled) -> list[Peak]:
     """The peak of every program the config's run executes (the train step already compiled as
     `train`; the others compiled here on abstract arguments, nothing allocated), each with its
     compiled program, which a run calls instead of compiling it again."""
@@ -83,7 +83,8 @@ def peaks(cfg: Config, step: aot.AbstractStep, train: jax.stages.Compiled) -> li
     one_batch = aot.shard_bytes(batch)
     prefetched = {"prefetched batches": one_batch * cfg.feed.prefetch} if cfg.feed.prefetch else {}
     relay = {"relay copy of the process batch": relay_bytes(cfg, batch)} if cfg.feed.mode == "routed" else {}
-    in_flight = {} if cfg.train.sync_every_step else {"batch of the step in flight": one_batch}
+    lagged = cost.resident_batches(cfg) - cfg.feed.prefetch  # the one a dispatched step still holds
+    in_flight = {"batch of the step in flight": one_batch * lagged} if lagged else {}
     out = [Peak("train step", aot.memory(train), {**prefetched, **in_flight, **relay}, train)]
     if runs_eval(cfg):
         shardings = {k: b.sharding for k, b in batch.items()}

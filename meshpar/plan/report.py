@@ -24,12 +24,11 @@ needs per device is the largest of those peaks and of the analytic total.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
-from meshpar import aot
+from meshpar import aot, parts
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config
-from meshpar.plan import capacity as capacity_lib
+from meshpar.plan import cost, memory
 from meshpar.plan import programs as programs_lib
 
 # Analytic categories beside the XLA figure they are part of (see the module docstring).
@@ -49,7 +48,7 @@ class Report:
     analytic: object | None  # meshpar.plan.memory.Breakdown
     analytic_missing: str | None
     xla: dict[str, int]
-    capacity: capacity_lib.Capacity
+    capacity: cost.Capacity
     programs: tuple = ()  # meshpar.plan.programs.Peak of every program the run executes
     compiled: object = dataclasses.field(default=None, repr=False, compare=False)  # the train step, for the run to reuse
 
@@ -106,26 +105,32 @@ class Report:
         }  # fmt: skip
 
 
-def _analytic(cfg: Config, step: aot.AbstractStep):
-    if importlib.util.find_spec("meshpar.plan.memory") is None:
-        return None, "not available (no analytic memory model in this build)"
-    from meshpar.plan import memory
+def platform(step: parts.AbstractStep) -> str:
+    """The platform the step is compiled for (``cpu``, ``gpu``, ``tpu``)."""
+    return step.mesh.devices.flat[0].platform
 
+
+def _analytic(cfg: Config, step: parts.AbstractStep):
+    """The analytic breakdown, or None and why: a config out of the model's scope on this
+    platform (:func:`meshpar.plan.memory.out_of_scope`) gets no figure."""
+    reason = memory.out_of_scope(cfg, platform(step))
+    if reason:
+        return None, f"out of scope: {reason}"
     return memory.analytic(cfg, step), None
 
 
-def plan(cfg: Config, step: aot.AbstractStep | None = None, analytic=None) -> Report:
+def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None) -> Report:
     """Compile the config's train step on abstract inputs (nothing is allocated) and set XLA's
     figures beside the analytic model and the device capacity. `step`: the abstract step when
     the caller has built it already (a run's pre-flight), with `analytic` its breakdown when
     known (:func:`meshpar.plan.memory.analytic`); the compiled step is kept in
     ``Report.compiled`` for the run to use instead of compiling it again."""
-    step = step or aot.abstract_step(cfg)
-    analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)
+    step = step or parts.abstract_step(cfg)
+    analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)  # None: out of scope
     compiled = step.lower().compile()
     return Report(
         mesh_lib.describe(step.mesh), f"{step.mesh.size} {step.mesh.devices.flat[0].platform}",
-        analytic, missing, aot.memory(compiled), capacity_lib.device_capacity(cfg, step.mesh),
+        analytic, missing, aot.memory(compiled), cost.device_capacity(cfg, step.mesh),
         tuple(programs_lib.peaks(cfg, step, compiled)), compiled,
     )  # fmt: skip
 
@@ -149,7 +154,7 @@ def table(report: Report):
     a, x, c = report.analytic, report.xla, report.capacity
     t = Table(
         title=f"memory per device: mesh {report.mesh}, {report.devices} devices", title_justify="left",
-        caption=f"capacity: {c.source}; headroom {capacity_lib.HEADROOM_FRACTION:.0%} kept free", caption_justify="left",
+        caption=f"capacity: {c.source}; headroom {cost.HEADROOM_FRACTION:.0%} kept free", caption_justify="left",
     )  # fmt: skip
     t.add_column("analytic category", no_wrap=True)
     t.add_column("analytic", justify="right")
@@ -199,10 +204,8 @@ def host_rows(t, analytic, xla: dict) -> None:
     host = {} if analytic is None else analytic.host
     if not host and not xla.get("host_total_bytes"):
         return
-    from meshpar.plan.memory import HOST_EXACT
-
     for cat, n in host.items():
-        t.add_row(f"  host: {cat}", fmt_bytes(n), "exact" if cat in HOST_EXACT else "estimate", "", "", "")
+        t.add_row(f"  host: {cat}", fmt_bytes(n), "exact" if cat in memory.HOST_EXACT else "estimate", "", "", "")
     source = "XLA's host_* fields" if xla.get("host_from") == "xla" else "shardings (XLA on CPU reports no host bytes)"
     total = sum(host.values())
     t.add_row(

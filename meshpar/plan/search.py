@@ -4,11 +4,12 @@ predicted step time on a topology.
 **Enumerated.** Meshes: every factorisation of the device count into the config's mesh axis
 names, in their order, 1-sized axes included (a config with a single axis gets a ``model``
 axis after it). Layouts on each mesh: ``batch`` onto any subset of the axes (several at once
-as ``batch:(a,b)``, first axis major), the model family's split dims (the dims the config's
-layout maps onto ``model``, else :data:`meshpar.plan.candidates.MODEL_DIMS`) onto the ``model``
-axis or not, and ``param_layout`` FSDP over the batch axes (the embed-like dims, chosen as the
-pre-flight chooses them: :func:`meshpar.plan.candidates.fsdp_dims`) or none. Every other
-dim is replicated; the config's other sections (remat, microbatches, feed, ...) are kept.
+as ``batch:(a,b)``, first axis major), the model's split dims (the dims the config's layout
+maps onto ``model``, else the family's: :attr:`meshpar.models.Family.split_dims`) onto the
+``model`` axis or not, and ``param_layout`` FSDP over the batch axes (the family's FSDP dims,
+taken as the pre-flight takes them: :func:`meshpar.plan.candidates.fsdp_param_layout`) or
+none. Every other dim is replicated; the config's other sections (remat, microbatches, feed,
+...) are kept.
 
 **Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
 onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
@@ -17,15 +18,14 @@ mesh is the same) are one candidate: the config's own where it is one of them, e
 with fewer such empty rules and the batch off the ``model`` axis.
 
 **Legal.** The config is built with the choice and planned as a run plans it
-(:func:`meshpar.aot.abstract_step`): the batch must divide over its axes and into its
+(:func:`meshpar.parts.abstract_step`): the batch must divide over its axes and into its
 microbatches, every parameter's and activation's split dims must divide, and no tensor may
 have two dims on one axis. What fails is dropped, counted by the config key it fails on.
 
 **Fitting.** The analytic memory plan (:func:`meshpar.plan.memory.analytic`) against the
-usable bytes of one device: on ``cpu-sim`` the capacity a run would check
-(:mod:`meshpar.plan.capacity`); on another topology its device memory times XLA's
-preallocated fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default), or
-``hardware.memory_gib`` when smaller; 5% headroom off either.
+usable bytes of one device of the machine (:func:`meshpar.plan.cost.machine_capacity`: on
+``cpu-sim`` the capacity a run would check; on another machine its memory × XLA's allocator
+fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either).
 
 **Ranked analytically** (nothing compiled), per device, :class:`Estimate`:
 
@@ -42,11 +42,12 @@ preallocated fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default), or
   (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
   reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
   and axis (XLA combines the small ones);
-* activations — with the model dims split n ways, all-reduces of a layer's output over the
-  ``model`` axis (Megatron): for the Transformer 4 per layer (attention and MLP outputs
-  forward, their inputs' gradients backward; 2 more per layer under remat) and 1 for the
-  vocab-split output; for the MLP 1 after each split hidden layer; ``[rows per device, ...,
-  width]`` in the compute dtype;
+* activations — with the model dims split n ways, the all-reduces over the ``model`` axis
+  the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
+  Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
+  and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
+  the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
+  compute dtype;
 * feed — the batch's placement time (:mod:`meshpar.plan.feed_time`), only the part longer
   than compute when ``feed.prefetch`` ≥ 1.
 
@@ -66,7 +67,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import os
 import shlex
 import time
 
@@ -74,19 +74,19 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, compile_cache, throughput, trainer
+from meshpar import aot, compile_cache, parts, throughput, trainer
+from meshpar import inputs as inputs_lib
 from meshpar import config as config_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
 from meshpar.models import MODELS
-from meshpar.plan import candidates, feed_time, memory, timing
-from meshpar.plan import capacity as capacity_lib
+from meshpar.plan import candidates, cost, memory, timing
+from meshpar.plan.report import fmt_bytes
 
 MODEL_AXIS = candidates.MODEL_AXIS
 TOP_K = 5
 TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
-GPU_MEM_FRACTION = 0.75  # XLA's preallocated share of a GPU when XLA_PYTHON_CLIENT_MEM_FRACTION is unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,22 +163,18 @@ def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
 def model_dims(cfg: Config) -> tuple[str, ...]:
     """The dims a model split puts on the model axis: the config's own, else the family's."""
     own = tuple(d for d, a in cfg.layout if d != "batch" and MODEL_AXIS in (a if isinstance(a, tuple) else (a,)))
-    return own or candidates.MODEL_DIMS.get(cfg.model.name, ())
+    return own or MODELS[cfg.model.name].split_dims(cfg.model)
 
 
-def rules(option: Option, dims: tuple[str, ...], params: list) -> tuple[str, str]:
+def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, element_spec: dict) -> tuple[str, str]:
     """The option's (layout, param_layout) rule texts; raises ConfigError when FSDP has no dim to split."""
     batch = option.batch[0] if len(option.batch) == 1 else option.batch
     layout = (("batch", batch),) if option.batch else ()
     layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
-    param_layout = ()
-    if option.fsdp:
-        ways = math.prod(option.sizes[a] for a in option.batch)
-        split = candidates.fsdp_dims(params, {d for d, _ in layout}, ways) if ways > 1 else []
-        if not split:
-            raise ConfigError("param_layout", "no parameter dim splits over the batch axes")
-        param_layout = tuple((d, batch) for d in split)
-    return layout_lib.format_rules(layout), layout_lib.format_rules(param_layout)
+    param_layout = ""
+    if option.fsdp:  # replaces the config's own param_layout
+        param_layout = candidates.fsdp_param_layout(cfg, element_spec, params, option.batch, option.sizes, layout, ())
+    return layout_lib.format_rules(layout), param_layout
 
 
 def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str) -> Config:
@@ -213,22 +209,11 @@ class Estimate:
         return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s
 
 
-def _ring_seconds(kind: str, nbytes: float, n: int, link) -> float:
-    factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-    steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
-    return nbytes * factor / link.bandwidth + link.latency * steps
-
-
-def _slowest_link(topo, sizes: dict[str, int], axes: tuple[str, ...]):
-    links = [topo.axis_link(sizes, a) for a in axes]
-    return min(links, key=lambda link: (link.bandwidth, -link.latency))
-
-
 def _axes_of(spec) -> set[str]:
     return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
-def gradient_traffic(step: aot.AbstractStep, batch_axes: tuple[str, ...], compute_itemsize: int) -> dict:
+def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], compute_itemsize: int) -> dict:
     """(kind, axes) → bytes per device of the gradient sync: all-reduce over the batch axes a
     parameter is not split on; under FSDP two all-gathers (compute dtype) and a reduce-scatter."""
     sizes = dict(step.mesh.shape)
@@ -252,33 +237,14 @@ def gradient_traffic(step: aot.AbstractStep, batch_axes: tuple[str, ...], comput
     return out
 
 
-def _transformer_all_reduces(model, spec: dict, rows: int) -> tuple[int, int]:
-    from meshpar.models import transformer
-
-    per_layer = 4 + (2 if model.remat == "full" else 0)
-    return per_layer * model.n_layers + 1, rows * transformer.window_length(spec) * model.d_model
-
-
-def _mlp_all_reduces(model, spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
-    from meshpar.models import mlp
-
-    shape, _ = spec["inputs"]
-    widths = [math.prod(shape), *model.hidden, model.num_classes]
-    split = [i for i in range(len(model.hidden)) if mlp.hidden_dim(i) in dims]
-    return len(split), rows * max((widths[i + 2] for i in split), default=0)
-
-
 def activation_traffic(cfg: Config, spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(count, elements each) of the all-reduces over the model axis a model split adds per
-    step, for `rows` batch rows per device (0, 0 for a family without a rule here)."""
-    if cfg.model.name == "transformer":
-        return _transformer_all_reduces(cfg.model, spec, rows)
-    if cfg.model.name == "mlp":
-        return _mlp_all_reduces(cfg.model, spec, rows, dims)
-    return 0, 0
+    """(count, elements each) of the all-reduces over the model axis a model split of `dims`
+    adds per step, for `rows` batch rows per device: the family's
+    (:attr:`meshpar.models.Family.activation_all_reduces`)."""
+    return MODELS[cfg.model.name].activation_all_reduces(cfg.model, spec, rows, dims)
 
 
-def estimate(cfg: Config, option: Option, step: aot.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
+def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
     """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
     sizes = option.sizes
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
@@ -293,19 +259,16 @@ def estimate(cfg: Config, option: Option, step: aot.AbstractStep, breakdown: mem
     memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
     itemsize = jax.numpy.dtype(dtype).itemsize
     gradient_s = sum(
-        _ring_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), _slowest_link(topo, sizes, axes))
+        cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
         for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
     )
     activation_s = 0.0
     if model_ways > 1:
         count, elements = activation_traffic(cfg, spec, cfg.train.batch_size // batch_ways, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
-        activation_s = count * _ring_seconds("all-reduce", elements * itemsize, model_ways, link) if count else 0.0
-    split, mode = feed_time.config_split(cfg, topo), cfg.feed.mode
-    feed_s = feed_time.placement_time(
-        topo, mode, split.batch_bytes, split.num_devices, split.shards, split.fields, split.aliased(mode)
-    )
-    exposed = max(0.0, feed_s - compute_s - memory_s) if cfg.feed.prefetch >= 1 else feed_s
+        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count)
+    feed_s = cost.feed_seconds(cfg, topo)
+    exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
     return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed)
 
 
@@ -319,7 +282,7 @@ class Row:
 
     option: Option
     cfg: Config
-    step: aot.AbstractStep = dataclasses.field(repr=False)
+    step: parts.AbstractStep = dataclasses.field(repr=False)
     memory_bytes: int  # analytic total per device
     estimate: Estimate
     fits: bool
@@ -350,7 +313,7 @@ class Result:
 
     rows: list[Row]
     topology: object
-    capacity: capacity_lib.Capacity
+    capacity: cost.Capacity
     num_devices: int
     enumerated: int
     duplicates: int
@@ -369,15 +332,6 @@ class Result:
     @property
     def best(self) -> Row | None:
         return self.rows[0] if self.rows and self.rows[0].fits else None
-
-
-def capacity(cfg: Config, topo, mesh: jax.sharding.Mesh) -> capacity_lib.Capacity:
-    """Usable memory per device on `topo` (see the module docstring)."""
-    if topo.device_link.kind == "memcpy":  # this host's simulated devices: what a run would check
-        return capacity_lib.device_capacity(cfg, mesh)
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
-    stats = [{"bytes_limit": int(topo.memory_bytes * fraction)}] * topo.num_devices
-    return capacity_lib.capacity_from(stats, cfg.hardware.memory_gib, topo.name, None)
 
 
 def rank_compiled(rows: list[Row]) -> list[Row]:
@@ -410,7 +364,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     except RuntimeError:
         pass  # the backend is up already; build_mesh names a shortfall
     compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compiles are cached
-    spec = feed_time.element_spec(cfg)
+    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed)
     family = MODELS[cfg.model.name]
     _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
     params = candidates.param_dims(abstract_params)
@@ -443,23 +397,23 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     for i, option in enumerate(distinct):
         say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
         try:
-            layout, param_layout = rules(option, dims, params)
+            layout, param_layout = rules(option, dims, params, cfg, spec)
             new = with_layout(cfg, option.mesh_str, layout, param_layout)
             mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
-            step = aot.abstract_step(new, mesh, spec)
+            step = parts.abstract_step(new, mesh, spec)
             breakdown = memory.analytic(new, step)
         except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
             key = getattr(e, "key", None) or ("layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__)
             illegal[key] = illegal.get(key, 0) + 1
             continue
-        cap = cap or capacity(cfg, topo, mesh)
+        cap = cap or cost.machine_capacity(cfg, topo, mesh)
         fits = breakdown.total <= cap.usable_bytes
         est = estimate(new, option, step, breakdown, topo, dims)
         own = _is_own(cfg, option, new, own_mesh)
         row = Row(option, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout))
         rows.append(row)
     if cap is None:  # nothing legal: the capacity of these devices, for the report
-        cap = capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
+        cap = cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
     for i, row in enumerate(fitting[:top]):
         say(f"compiling {i + 1}/{min(top, len(fitting))}: {row.cfg.mesh_str} {row.cfg.layout_str}")
@@ -484,8 +438,6 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
 
 def summary(result: Result) -> str:
     """The counts and the time the search took, in one line."""
-    from meshpar.plan.report import fmt_bytes
-
     why = ", ".join(f"{k} {n}" for k, n in sorted(result.illegal.items()))
     illegal = sum(result.illegal.values())
     return (

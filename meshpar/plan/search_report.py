@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import pathlib
 
+import yaml
+from rich.table import Table
+
 from meshpar import config as config_lib
 from meshpar import layout as layout_lib
 from meshpar.config import ConfigError
+from meshpar.plan import search as search_lib
+from meshpar.plan.report import fmt_bytes
+from meshpar.plan.time_report import fmt_seconds
 
 
 def table(result, title: str):
     """The ranked rows as a rich Table: the HLO model's terms where compiled, else the estimate's."""
-    from rich.table import Table
-
-    from meshpar.plan import search as search_lib
-    from meshpar.plan.report import fmt_bytes
-    from meshpar.plan.time_report import fmt_seconds
-
     own = "; * the config's own layout" if any(r.own for r in result.rows) else ""
     fastest = min((r.step_s for r in result.rows if r.predicted and r.fits), default=0.0)
     tied = [r for r in result.rows if r.predicted and r.fits and r.step_s <= fastest * (1 + search_lib.TIE)]
@@ -48,11 +48,6 @@ def experiment_yaml(result, config_path: str, overrides, command: str, out_path:
     """The best row as an experiment YAML: the config file with `overrides` applied and its mesh,
     layout and param_layout replaced, its workdir ``runs/<name of out_path>``, and a header that
     says how to run it and where it came from. Raises ConfigError when nothing fits."""
-    import yaml
-
-    from meshpar.plan.report import fmt_bytes
-    from meshpar.plan.time_report import fmt_seconds
-
     best = result.best
     if best is None:
         raise ConfigError("--write", "no layout fits: nothing to write")

@@ -4,6 +4,7 @@ next to the other ways of freeing device memory (``--topology``, ``--offload-swe
 
 from __future__ import annotations
 
+from meshpar.plan import offload_cost
 from meshpar.plan.report import fmt_bytes
 
 
@@ -130,7 +131,7 @@ def offload_table(costs, topology, bandwidth: float, usable: int, overlap: bool 
     )  # fmt: skip
     for name in ("option", "device", "host", "frees", "compute", "host transfers", "adds", "step", "vs none", "fits"):
         t.add_column(name, justify="left" if name == "option" else "right", no_wrap=True)
-    base = costs[0]
+    base = costs[0] if costs else None
     for c in costs:
         t.add_row(
             c.option.label, fmt_bytes(c.device_bytes), fmt_bytes(c.host_bytes), _freed(c, base) if c is not base else "",
@@ -140,13 +141,17 @@ def offload_table(costs, topology, bandwidth: float, usable: int, overlap: bool 
     return t
 
 
+def skipped_lines(skipped) -> list[str]:
+    """One line per option of the offload comparison that does not apply to the config
+    (:class:`meshpar.plan.offload_cost.Skipped`): ``skipped: <option>: <why>``."""
+    return [f"skipped: {s}" for s in skipped]
+
+
 def offload_sweep_table(rows, topology, bandwidth: float, usable: int, overlap: bool = True):
     """Options × global batch sizes (:func:`meshpar.plan.offload_cost.sweep`): per cell what the
     option frees and costs against the config at that batch; last, the cheapest per byte freed
     and the fastest option that fits `usable` bytes per device."""
     from rich.table import Table
-
-    from meshpar.plan import offload_cost
 
     t = Table(
         title=f"what frees device memory at what cost, by global batch size, on {topology.name}",

@@ -19,12 +19,9 @@ from its operands' shapes (all-gather: the gathered result), its devices from
 ``replica_groups`` (explicit ``{{0,1},...}``, iota ``[4,2]<=[8]``, or mesh-axes
 ``mesh[...] {...}`` form) or ``source_target_pairs``, mapped onto the mesh by partition index
 (partition i is the i-th device of the mesh in row-major order), so the axis is the set of
-mesh axes a group spans. Its time on the link of that axis (``Topology.axis_link``) is
-
-    bytes × factor / bandwidth + latency × steps
-
-with ring factors: all-reduce 2(n−1)/n over 2(n−1) steps, all-gather and reduce-scatter
-(n−1)/n over n−1 steps, all-to-all (n−1)/n over n−1 steps, collective-permute 1 over 1 step.
+mesh axes a group spans. It runs on the link of that axis (``Topology.axis_link``), priced as a
+ring collective (:func:`meshpar.plan.cost.collective_seconds`: bytes × ring factor / bandwidth +
+latency × steps).
 
 **Compute.** Each op the program runs (a fusion, a dot, a copy; loop bodies once per trip)
 takes the longer of its FLOPs at the device's peak for the compute dtype × the topology's
@@ -56,11 +53,13 @@ import dataclasses
 import functools
 import json
 import math
+import pathlib
 import re
 
 import numpy as np
 
-from meshpar.plan import hlo
+from meshpar import throughput
+from meshpar.plan import cost, hlo
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -350,35 +349,12 @@ def collectives(compiled, mesh) -> list[tuple[str, int, str]]:
     return [(f.kind, f.bytes * f.executions, f.axis) for f in found]
 
 
-# Share of the bytes each device sends, and the sequential steps, of a ring algorithm on n devices.
-def _factor_steps(kind: str, n: int) -> tuple[float, int]:
-    if kind == "all-reduce":
-        return 2 * (n - 1) / n, 2 * (n - 1)
-    if kind == "collective-permute":
-        return 1.0, 1
-    return (n - 1) / n, n - 1
-
-
-def _link(topology, mesh_shape: dict[str, int], axis: str):
-    """The link a collective over `axis` runs on; over several axes, the slowest of theirs."""
-    links = [topology.axis_link(mesh_shape, a) for a in axis.split(",")]
-    return min(links, key=lambda link: (link.bandwidth, -link.latency))
-
-
-def collective_seconds(found: _Found, topology, mesh_shape: dict[str, int]) -> float:
-    link = _link(topology, mesh_shape, found.axis)
-    factor, steps = _factor_steps(found.kind, found.group_size)
-    return found.executions * (found.bytes * factor / link.bandwidth + link.latency * steps)
-
-
 # ---------------------------------------------------------------------------------------------
 # The step
 
 
 def host_cache_bytes() -> int:
     """This host's last-level CPU cache in bytes (Linux sysfs; 0 where it cannot be read)."""
-    import pathlib
-
     best = (0, 0)
     for index in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -413,11 +389,9 @@ def memory(topology, num_devices: int) -> _Memory:
 
 
 def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
-    """Predicted time of one train step of `cfg` (`step`: its :class:`meshpar.aot.AbstractStep`,
+    """Predicted time of one train step of `cfg` (`step`: its :class:`meshpar.parts.AbstractStep`,
     or anything with its ``mesh``; `compiled`: its compiled program or HLO text) on `topology`,
     with `feed_s` seconds to place one batch (see :mod:`meshpar.plan.feed_time`)."""
-    from meshpar import throughput
-
     module = hlo.parse(hlo.text(compiled))
     mesh_shape = _mesh_shape(step.mesh if hasattr(step, "mesh") else step)
     flop_rate = topology.peak(throughput.compute_dtype(cfg.model)) * topology.efficiency
@@ -427,10 +401,11 @@ def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
     for f in _find(module, mesh_shape):
         entry = merged.setdefault((f.kind, f.axis), [0, 0.0])
         entry[0] += f.bytes * f.executions
-        entry[1] += collective_seconds(f, topology, mesh_shape)
+        link = cost.axis_link(topology, mesh_shape, f.axis)
+        entry[1] += cost.collective_seconds(f.kind, f.bytes, f.group_size, link, f.executions)
     parts = tuple(Collective(kind, b, axis, sec) for (kind, axis), (b, sec) in merged.items())
     collective_s = sum(c.seconds for c in parts)
-    exposed = max(0.0, feed_s - compute_s) if cfg.feed.prefetch >= 1 else feed_s
+    exposed = cost.exposed_feed_seconds(feed_s, compute_s, cfg.feed.prefetch)
     return StepTime(
         _module_flops(module), compute_s, parts, collective_s, feed_s, exposed, compute_s + collective_s + exposed,
         flops_s=op_flops / flop_rate, bytes=op_bytes, memory_s=memory_s,

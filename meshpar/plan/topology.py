@@ -23,7 +23,9 @@ import time
 import numpy as np
 import yaml
 
+from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar.config import ConfigError
+from meshpar.plan import cost
 from meshpar.schema import parse_yaml
 
 DIR = pathlib.Path(__file__).parent / "topologies"
@@ -278,8 +280,6 @@ def measure(devices) -> dict[str, float]:
     # The feeders' own host-side cost per placement beyond the transfers (building the global
     # array, their bookkeeping): one byte per device, so no bandwidth term. A separate tiny
     # batch, never an experiment's.
-    from input_pipeline.feeding import DirectFeeder, RoutedFeeder
-
     tiny, shard = {"x": np.zeros((n, 1), np.uint8)}, {"x": NamedSharding(mesh, PartitionSpec("devices", None))}
     for mode, feeder in (("direct", DirectFeeder(shard, n)), ("routed", RoutedFeeder(shard, n))):
         out[f"{mode}_fixed_s"] = _median_time(lambda: feeder.place(tiny), 9)  # noqa: B023 (called at once)
@@ -300,12 +300,13 @@ def measure(devices) -> dict[str, float]:
     reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "devices"), mesh=mesh,
                                in_specs=PartitionSpec("devices"), out_specs=PartitionSpec("devices")))  # fmt: skip
     points = []
+    factor, steps = cost.ring("all-reduce", n)
     for nbytes in (4 << 10, 4 << 20):
         x = jax.device_put(np.ones((n, nbytes // 4), np.float32), split)
         t = _median_time(lambda: reduce(x).block_until_ready(), 5)
-        points.append((2 * (n - 1) / n * nbytes, t))
+        points.append((factor * nbytes, t))
     fixed, out["allreduce_bps"] = _two_point(*points)
-    out["allreduce_latency_s"] = fixed / (2 * (n - 1))
+    out["allreduce_latency_s"] = fixed / steps
     return out
 
 
@@ -314,11 +315,9 @@ def calibrated(num_devices: int, description: str = "") -> Topology:
     """``cpu-sim`` for the first `num_devices` simulated CPU devices, measured once per process."""
     import jax
 
-    from meshpar.plan import capacity
-
     devices = jax.devices("cpu")[:num_devices]
     m = measure(devices)
-    ram = capacity.host_memory_bytes() or 0
+    ram = cost.host_memory_bytes() or 0
     all_devices = tuple(range(num_devices))
     return Topology(
         name=CPU_SIM, description=description or "this host's simulated CPU devices, measured",

@@ -1,0 +1,306 @@
+"""The planner's shared figures, each defined once: device capacity, collective cost, feed time,
+the exposed feed, the batch axes and the batches resident beside a step.
+
+The step-time model (:mod:`meshpar.plan.timing`), the search's analytic ranking
+(:mod:`meshpar.plan.search`), the offload cost (:mod:`meshpar.plan.offload_cost`),
+compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call these.
+
+**Capacity** (:func:`capacity`): what a plan may use on one device is
+
+    memory × allocator fraction × (1 − headroom)
+
+* *memory*: the device's. On a machine planned from its description (a topology file), its
+  datasheet figure; on this host's devices, the backend's own limit where it reports one
+  (``memory_stats()['bytes_limit']`` on GPU, which *is* memory × the allocator fraction, so the
+  fraction is not applied twice); on CPU, the host's RAM (or its cgroup's limit, when lower)
+  divided by the simulated devices, which share it. ``hardware.memory_gib``, when set, is the
+  capacity of a smaller device planned for (never above the backend's limit: a smaller device
+  can be planned for, not a larger one).
+* *allocator fraction* (:func:`allocator_fraction`): XLA's GPU allocator preallocates a share
+  of the device and never grows past it — ``XLA_CLIENT_MEM_FRACTION``, or its older name
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 when neither is set. 1 on CPU (no allocator cap).
+* *headroom*: :data:`HEADROOM_FRACTION` of the capacity kept free. Neither the analytic model
+  nor XLA's figures for one compiled step count allocator fragmentation or the small buffers
+  that live outside the step (metrics fetched a step late, stop flags), so a plan that needs
+  every last byte is not called a fit. A fraction, not a fixed amount, because fragmentation
+  grows with the size of the buffers, from a 1 GiB CPU share to a 141 GB GPU.
+
+**Collectives** (:func:`collective_seconds`): a ring on n devices sends ``bytes × factor`` per
+device over the link of the mesh axes it spans in ``steps`` sequential steps — all-reduce
+2(n−1)/n over 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n over n−1,
+collective-permute 1 over 1 — so its time is ``bytes × factor / bandwidth + latency × steps``.
+Over several axes at once it runs at the slowest of their links (:func:`axis_link`).
+
+**Feed** (:func:`feed_seconds`): the placement time of one process batch on the machine
+(:mod:`meshpar.plan.feed_time`). With ``feed.prefetch`` ≥ 1 a background thread places the next
+batch while the step computes, so only the part longer than the step's compute is exposed
+(:func:`exposed_feed_seconds`); with prefetch 0 all of it is.
+
+**Batches** (:func:`batch_axes`, :func:`resident_batches`): the mesh axes the layout's
+``batch`` rule names; the batches a device holds outside the step program — ``feed.prefetch``
+placed ahead, and under the lagged loop (:mod:`meshpar.loop`) the one a dispatched step still
+holds while the next is placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from meshpar import inputs
+from meshpar.config import Config, ConfigError
+from meshpar.plan import feed_time
+
+GIB = 1 << 30
+HEADROOM_FRACTION = 0.05
+# XLA's GPU allocator fraction: the variable's names, newest first, and its default.
+FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+DEFAULT_FRACTION = 0.75
+
+# ---------------------------------------------------------------------------------------------
+# Capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Per-device memory: ``bytes`` in all, where the figure came from, and the headroom kept."""
+
+    bytes: int
+    source: str
+    headroom_bytes: int
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a plan may use: the capacity less its headroom."""
+        return self.bytes - self.headroom_bytes
+
+
+def allocator_fraction(environ: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """XLA's GPU allocator fraction and where it came from (see the module docstring). A value
+    that is not a number in (0, 1] is a ConfigError on the variable."""
+    environ = os.environ if environ is None else environ
+    for name in FRACTION_VARIABLES:
+        text = environ.get(name)
+        if text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= 1:
+            raise ConfigError(name, f"is {text!r}: XLA's allocator fraction is a number in (0, 1]")
+        return value, f"{name}={text}"
+    return DEFAULT_FRACTION, f"{DEFAULT_FRACTION:g} by default"
+
+
+def capacity(memory_bytes: int, source: str, fraction: float = 1.0) -> Capacity:
+    """The capacity of a device of `memory_bytes` under an allocator that may take `fraction`
+    of it, with the headroom kept: the one formula every capacity comes from."""
+    total = int(memory_bytes * fraction)
+    return Capacity(total, source, int(total * HEADROOM_FRACTION))
+
+
+def host_memory_bytes() -> int | None:
+    """This host's RAM in bytes, or its cgroup's memory limit when that is lower (a container);
+    None when neither can be read."""
+    found = []
+    try:
+        found.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemTotal:"):
+                        found.append(int(line.split()[1]) * 1024)  # reported in kB
+        except (OSError, ValueError, IndexError):
+            pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            found.append(int(text))  # "max" (v2) means no limit; v1 reports a huge number then
+    found = [n for n in found if n > 0]
+    return min(found) if found else None
+
+
+def capacity_from(
+    memory_stats: Sequence[Mapping[str, int] | None],
+    memory_gib: float,
+    platform: str,
+    host_bytes: int | None,
+) -> Capacity:
+    """The per-device capacity from what each of this process's mesh devices reports
+    (``device.memory_stats()``, None where it reports nothing), ``hardware.memory_gib``
+    (0 = unset), the platform and the host's RAM. Pure: the inputs are passed in. A backend
+    limit already is memory × the allocator fraction (see the module docstring)."""
+    limits = [int(s["bytes_limit"]) for s in memory_stats if s and s.get("bytes_limit")]
+    backend = None
+    if limits and len(limits) == len(memory_stats):
+        backend = min(limits)  # the smallest device bounds every device of the layout
+        fraction = allocator_fraction()[1]
+        backend_source = f"{platform} bytes_limit (XLA's allocator; preallocated fraction {fraction})"
+    if memory_gib > 0:
+        wanted = int(memory_gib * GIB)
+        if backend is not None and backend < wanted:
+            return capacity(backend, f"{backend_source}, below hardware.memory_gib={memory_gib:g}")
+        return capacity(wanted, f"hardware.memory_gib={memory_gib:g}")
+    if backend is not None:
+        return capacity(backend, backend_source)
+    n = len(memory_stats)
+    if platform == "cpu" and host_bytes and n:
+        return capacity(host_bytes // n, f"host RAM {host_bytes / GIB:.1f} GiB / {n} simulated cpu devices")
+    raise ValueError(f"the {platform} backend reports no memory limit: set hardware.memory_gib")
+
+
+def device_capacity(cfg: Config, mesh) -> Capacity:
+    """The capacity of each device of `mesh` in this process, for `cfg`.
+
+    A backend that reports no limit on a platform other than CPU, with ``hardware.memory_gib``
+    unset, is a :class:`~meshpar.config.ConfigError` on that key."""
+    devices = list(mesh.local_devices)
+    stats = [d.memory_stats() for d in devices]  # None on CPU (jax 0.10 and 0.12)
+    try:
+        return capacity_from(stats, cfg.hardware.memory_gib, devices[0].platform, host_memory_bytes())
+    except ValueError as e:
+        raise ConfigError("hardware.memory_gib", str(e)) from None
+
+
+def machine_capacity(cfg: Config, topo, mesh=None) -> Capacity:
+    """The capacity of one device of the machine `topo`: on ``cpu-sim`` (this host's simulated
+    devices, `mesh` over them) what a run checks (:func:`device_capacity`); on another machine
+    its memory × the allocator fraction, or ``hardware.memory_gib`` when that is smaller."""
+    if topo.device_link.kind == "memcpy" and mesh is not None:
+        return device_capacity(cfg, mesh)
+    fraction, why = allocator_fraction()
+    machine = capacity(topo.memory_bytes, f"{topo.name} {topo.memory_bytes / GIB:.0f} GiB × {fraction:g} ({why})",
+                       fraction)  # fmt: skip
+    gib = cfg.hardware.memory_gib
+    if 0 < gib and gib * GIB < machine.bytes:
+        return capacity(int(gib * GIB), f"hardware.memory_gib={gib:g}")
+    return machine
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+def ring(kind: str, n: int) -> tuple[float, int]:
+    """(share of its bytes each device sends, sequential steps) of a ring `kind` on `n` devices."""
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n, 2 * (n - 1)
+    if kind == "collective-permute":
+        return 1.0, 1
+    return (n - 1) / n, n - 1
+
+
+def axis_link(topo, mesh_shape: Mapping[str, int], axes):
+    """The link a collective over `axes` (a name, ``"a,b"``, or a sequence) runs on: over
+    several axes, the slowest of theirs."""
+    names = axes.split(",") if isinstance(axes, str) else list(axes)
+    links = [topo.axis_link(dict(mesh_shape), a) for a in names]
+    return min(links, key=lambda link: (link.bandwidth, -link.latency))
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, link, executions: int = 1) -> float:
+    """Seconds of `executions` ring collectives of `kind` moving `nbytes` per device each over
+    `n` devices on `link` (see the module docstring)."""
+    if n <= 1:
+        return 0.0
+    factor, steps = ring(kind, n)
+    return executions * (nbytes * factor / link.bandwidth + link.latency * steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feed
+
+
+def feed_seconds(cfg: Config, topo) -> float:
+    """Predicted seconds to place one process batch of `cfg` on `topo` in its ``feed.mode``."""
+    split = config_split(cfg, topo)
+    mode = cfg.feed.mode
+    return feed_time.placement_time(
+        topo, mode, split.batch_bytes, split.num_devices, split.shards, split.fields, split.aliased(mode)
+    )
+
+
+def exposed_feed_seconds(feed_s: float, compute_s: float, prefetch: int) -> float:
+    """The part of the feed a step waits for: beyond the step's compute when batches are
+    placed ahead (``feed.prefetch`` ≥ 1), all of it otherwise."""
+    return max(0.0, feed_s - compute_s) if prefetch >= 1 else feed_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def batch_axes(rules) -> tuple[str, ...]:
+    """The mesh axes a layout's ``batch`` rule names (a config's ``layout``, as pairs)."""
+    axes = dict(rules).get("batch")
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def resident_batches(cfg: Config) -> int:
+    """Batches on a device outside the step program: those placed ahead, and the one a
+    dispatched step still holds under the lagged loop (none with ``train.sync_every_step``)."""
+    return cfg.feed.prefetch + (0 if cfg.train.sync_every_step else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch on a machine: its bytes and its split, without building a mesh
+
+
+def example_bytes(spec: dict) -> int:
+    """Bytes of one example over every field of `spec`."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in spec.values())
+
+
+def process_batch_bytes(cfg: Config) -> int:
+    """Bytes of the batch one process places per step: its share of ``train.batch_size``
+    examples (processes split the batch evenly) × the bytes of one example."""
+    rows = cfg.train.batch_size // cfg.distributed.num_processes
+    return rows * example_bytes(inputs.element_spec(cfg.data, cfg.train.seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a config's batch lands on a machine: devices, distinct slices, fields, bytes."""
+
+    num_devices: int
+    shards: int
+    fields: int
+    batch_bytes: int
+    # The loader's reused 64-byte-aligned buffers (feed.reuse_buffers): a whole field starts
+    # aligned; `aligned_slices`: every slice of every field does too.
+    aligned_buffers: bool = False
+    aligned_slices: bool = False
+
+    def aliased(self, mode: str) -> bool:
+        """Whether a placement in `mode` hands the devices host buffers they can wrap."""
+        return self.aligned_buffers and (mode == "routed" or self.aligned_slices)
+
+
+def config_split(cfg: Config, topo) -> Split:
+    """The config's mesh on the machine `topo` (a -1 axis takes the devices left), how many
+    distinct batch slices the layout makes, and the process batch's bytes. No mesh is built."""
+    axes = dict(cfg.mesh)
+    fixed = math.prod(n for n in axes.values() if n != -1)
+    if -1 in axes.values():
+        if topo.num_devices % fixed:
+            raise ConfigError("mesh", f"{topo.num_devices} devices of {topo.name} do not divide by {fixed}")
+        axes = {a: topo.num_devices // fixed if n == -1 else n for a, n in axes.items()}
+    n = math.prod(axes.values())
+    if n > topo.num_devices:
+        raise ConfigError("mesh", f"needs {n} devices; topology {topo.name} has {topo.num_devices}")
+    shards = math.prod(axes.get(a, 1) for a in batch_axes(cfg.layout))
+    spec = inputs.element_spec(cfg.data, cfg.train.seed)
+    rows = cfg.train.batch_size // cfg.distributed.num_processes
+    slices = all(rows // shards * example_bytes({k: s}) % 64 == 0 for k, s in spec.items())
+    reuse = cfg.feed.reuse_buffers
+    return Split(n, shards, len(spec), rows * example_bytes(spec), reuse, reuse and slices)
