@@ -59,7 +59,8 @@ feeding), in bytes:
   loop runs as a loop, the stacked parameters are gathered along a dim after ``layers``: XLA
   copies each whole stack, at its stored shard, into the transposed layout once, outside the
   loops (live through the backward), and under ``model.remat`` the backward's iteration holds
-  that layer's gathered copies (``Gathers.loop``, in the backward phase).
+  that layer's gathered copies (``Gathers.loop``, in the backward phase). When it is unrolled,
+  under ``model.remat`` and with microbatches: ``Gathers.layers`` (the backward phase, below).
 * ``workspace`` (estimate) — what the step's peak holds beyond gradients and activations. The
   step's working set is the largest of three phases, not a sum of categories:
 
@@ -100,7 +101,15 @@ feeding), in bytes:
   With microbatches the backward phase also holds the batch's microbatch-major copy (the
   accumulation loop's input: splitting rows i, i + k, … into microbatch i is a transpose, which
   XLA writes out, at the shard the model places the batch in), and both the backward and the update phase also hold every gathered copy of
-  the parameters outside the layer loop (above). ``workspace`` = the largest phase −
+  the parameters outside the layer loop (above). The backward phase also holds, with
+  microbatches: the loop body's slice of its microbatch of each batch leaf the backward reads
+  (a residual that is the batch: a matmul reads it, so the dynamic slice is written out); every
+  cast of a parameter to a wider dtype (a bfloat16 parameter computed in float32) that is not
+  a residual, every layer's (it reads only arguments, so XLA hoists it out of the accumulation
+  loop, at its compute shard, live through the loop); and under ``model.remat`` with the layer
+  loop unrolled, every layer's gathered copy of its parameters (``param_layout``: the forward's
+  gathers, hoisted out of the loop likewise) plus one layer's copies of those the backward reads
+  (gathered again behind remat's barrier, in the backward's iteration). ``workspace`` = the largest phase −
   gradients − activations: negative where the residuals die before the last gradients are
   produced (grads + activations is then more than is ever live at once).
 * ``inputs`` (exact) — this device's slice of the batch the step is given.
@@ -280,6 +289,8 @@ class _Level:
         self.candidates: set = set()
         self.loops: dict[int, _Level] = {}  # a scan equation's id -> its body's level
         self.stacked: set = set()  # a loop's body: the values it hands out stacked (each once)
+        self.kept: set = set()  # the candidates kept (after finish)
+        self.parent: tuple | None = None  # a loop's body: (the caller's level, the loop's inputs, consts, carry, length)
 
     def add(self, key) -> None:
         """`key` is a residual: a candidate here, or handed to the loop body or the caller it comes from."""
@@ -332,13 +343,14 @@ class _Level:
                     self.add(args[k])
 
             self.loops[id(eqn)] = _Level(body, self.copies * length, on_input, self.out, in_loop=True, at=self._place(pos))
+            self.loops[id(eqn)].parent = (self, args, consts, carry, length)
         return self.loops[id(eqn)]
 
     def finish(self) -> None:
         """Decide, in program order, which candidates XLA keeps; loop bodies first."""
         for loop in self.loops.values():
             loop.finish()
-        g, kept = self.graph, set()
+        g, kept = self.graph, self.kept
 
         def sources(key, seen: dict) -> set:
             """The values, neither kept nor inputs, that cheap ops recompute `key` from."""
@@ -373,14 +385,50 @@ class _Level:
                     keep(k)
 
 
-def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None) -> list[Residual]:
+def _argument_copies(level: _Level, key) -> tuple[int, int] | None:
+    """(flattened argument index, copies) when `key` is an argument of the traced function, or one
+    layer's slice of one (a loop's stacked input or constant): the copies are the slices' number."""
+    copies = 1
+    while True:
+        key = level.graph.canonical(key)
+        if key not in level.graph.inputs:
+            return None
+        k = level.graph.inputs[key]
+        if level.parent is None:
+            return k, copies
+        level, args, consts, carry, length = level.parent
+        if consts <= k < consts + carry or args[k] is None:
+            return None  # the carry: a value the loop makes
+        copies *= length if k >= consts + carry else 1
+        key = args[k]
+
+
+def _widening_casts(level: _Level, nargs: int) -> int:
+    """Bytes of the casts of the first `nargs` arguments (the parameters) to a wider dtype that
+    the forward makes (every layer's, for a slice of a stacked argument) and does not keep as
+    residuals, in this level and the loop bodies below it."""
+    total = 0
+    for key, (eqn, args, _) in level.graph.producer.items():
+        if jaxprs.op(eqn) != "convert_element_type" or args[0] is None or key in level.kept | level.stacked:
+            continue
+        if key[1].aval.dtype.itemsize <= args[0][1].aval.dtype.itemsize:
+            continue
+        src = _argument_copies(level, args[0])
+        if src is not None and src[0] < nargs:
+            total += _nbytes(key[1].aval) * src[1]
+    return total + sum(_widening_casts(loop, nargs) for loop in level.loops.values())
+
+
+def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None, casts: list | None = None) -> list[Residual]:
     """The residuals of ``jax.vjp(fn, *args)`` that XLA keeps for the backward pass (see the
     module docstring); `args` are abstract. Residuals that are the arguments themselves are left
     out; `read` (when given) receives their indices among the flattened `args`. `uses` (when
     given) receives, for each flattened argument the forward reads, ``(place, cotangent, bytes)``:
     the place in program order (:attr:`Residual.at`) of the last op that reads it (where the
     backward produces its gradient), the bytes of that op's largest output (the cotangent it is
-    differentiated with; None for a loop: one iteration's residuals') and the argument's bytes."""
+    differentiated with; None for a loop: one iteration's residuals') and the argument's bytes.
+    `casts` (when given) receives the bytes of the casts of the first argument's leaves (the
+    parameters) to a wider dtype that are not kept as residuals (:func:`_widening_casts`)."""
     leaves, tree = jax.tree.flatten(args)
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(lambda *ys: fn(*jax.tree.unflatten(tree, ys)), *xs), return_shape=True
@@ -393,6 +441,8 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
         if not jaxprs.is_literal(v):
             top.add((0, v))
     top.finish()
+    if casts is not None:
+        casts.append(_widening_casts(top, len(jax.tree.leaves(args[0]))))
     if uses is not None:
         g = top.graph
         for eqn, ins, pos in g.producer.values():
@@ -442,7 +492,7 @@ def backward_slices(fn, *args) -> int:
 
 def saved_activations(
     cfg: Config, step: parts.AbstractStep, remat: str | None = None, read: set[int] | None = None,
-    uses: dict | None = None, slices: list | None = None,
+    uses: dict | None = None, slices: list | None = None, casts: list | None = None,
 ) -> list[Residual]:
     """What one device keeps for the backward pass of one microbatch (:func:`kept_residuals` of
     the model's loss at per-device shapes, no layout active). `remat`: trace the model under this
@@ -450,7 +500,8 @@ def saved_activations(
     parameter leaves the backward pass reads (residuals that are parameters); `uses`, where each
     leaf's gradient is produced (:func:`kept_residuals`; the parameters first, then the batch);
     `slices`, where the layer loop runs as a loop, what one backward iteration writes out of the
-    residual stacks (:func:`backward_slices`)."""
+    residual stacks (:func:`backward_slices`); `casts`, the parameters' widening casts that are not
+    residuals (:func:`kept_residuals`)."""
     state, batch, _ = step.args
     params = shapes.local_params(state.params, step.layout, step.mesh)
     graphdef = step.plan.graphdef
@@ -465,7 +516,7 @@ def saved_activations(
         rngs = nnx.Rngs(dropout=jax.random.key(0))
         return nnx.merge(graphdef, params).loss(batch, rngs=rngs)[0]
 
-    kept = kept_residuals(loss, params, shapes.device_batch(cfg, step), read=read, uses=uses)
+    kept = kept_residuals(loss, params, shapes.device_batch(cfg, step), read=read, uses=uses, casts=casts)
     if slices is not None and any(r.rolled for r in kept):
         slices.append(backward_slices(loss, params, shapes.device_batch(cfg, step)))
     return kept
@@ -611,6 +662,9 @@ class Gathers:
     # a layer loop that runs as a loop: its stacked parameters' transposed-layout copy (hoisted out
     # of the loops: every layer at its stored shard), and under remat one layer's gathered copies
     loop: int = 0
+    # a layer loop unrolled, under remat: every layer's forward copy (it reads only arguments) and
+    # one layer's copies the backward gathers again (behind remat's barrier, in its iteration)
+    layers: int = 0
 
 
 def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool = False) -> Gathers:
@@ -620,7 +674,7 @@ def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool
     plan = step.plan
     remat = getattr(cfg.model, "remat", "none") != "none"
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    kept = forward = again = relayout = grads = outside = loop = 0
+    kept = forward = again = relayout = grads = outside = loop = layers = 0
     for i, (var, act, own) in enumerate(zip(variables, shapes.act_shardings(plan.abstract.params, step.layout, step.mesh),
                                             jax.tree.leaves(plan.shardings.params))):  # fmt: skip
         a, dims = var.get_value(), var.get_metadata().get("dims") or ()
@@ -631,6 +685,8 @@ def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool
             kept += used if i in read and not remat else 0  # each layer's copy a residual
             if rolled:  # gathered along a dim after `layers`: the whole stack relaid out once, then per layer
                 loop += stored + (used // a.shape[0] if remat else 0)
+            elif remat:
+                layers += used + (used // a.shape[0] if i in read else 0)
             continue
         forward += used
         grads += used - stored
@@ -642,7 +698,7 @@ def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool
         lead = next((d for d, n in enumerate(a.shape) if n > 1), 0)
         if any(s != n for d, (s, n) in enumerate(zip(shard, act.shard_shape(a.shape))) if d > lead):
             relayout = max(relayout, used)
-    return Gathers(kept=kept, copies=forward + again, rest=forward + again - outside, relayout=relayout, grads=grads, loop=loop)
+    return Gathers(kept=kept, copies=forward + again, rest=forward + again - outside, relayout=relayout, grads=grads, loop=loop, layers=layers)
 
 
 def _gradients_together(cfg: Config, step: parts.AbstractStep) -> int | None:
@@ -697,8 +753,9 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
     read: set[int] = set()  # the parameters the backward reads
     uses: dict = {}  # where the backward produces each gradient
     slices: list[int] = []  # a layer loop run as a loop: one backward iteration's slices of the stacks
+    casts: list[int] = []  # the parameters' widening casts that are not residuals
     kept = saved_activations(cfg, step, remat if place.activations != "none" else None, read=read, uses=uses,
-                             slices=slices if remat == "none" else None)
+                             slices=slices if remat == "none" else None, casts=casts)
     gathered = _gathers(cfg, step, read, any(r.rolled for r in kept))  # param_layout: stored split, used whole
     activations = sum(r.total for r in kept) + gathered.kept
     if place.params and remat == "none":  # every layer's fetched weights kept for the backward
@@ -726,9 +783,11 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
     backward = walk + activations - sum(r.total for r in kept) + running_sum + transient + gathered.loop
     if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
         backward += cfg.train.microbatches * sum(_nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step)))
-    if cfg.train.microbatches > 1:  # the gathers leave the accumulation loop: every copy held through it
-        backward += gathered.rest
+    if cfg.train.microbatches > 1:  # the gathers and casts leave the accumulation loop: every copy held through it
+        backward += gathered.rest + gathered.layers + sum(casts)
         update += gathered.copies
+        nparams = len(jax.tree.leaves(plan.abstract.params))  # the body's own microbatch of what the backward reads
+        backward += sum(_nbytes(b) for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step))) if nparams + j in read)
     one_batch = aot.shard_bytes(batch)
     categories = {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
