@@ -10,7 +10,7 @@ import pytest
 
 from meshpar import aot, config, experiment, parts
 from meshpar.jax_compat import saved_residuals
-from meshpar.plan import memory
+from meshpar.plan import memory, residuals
 
 TINY_TRANSFORMER = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -158,8 +158,8 @@ def test_a_cheap_residual_made_from_kept_ones_is_dropped_unless_a_matmul_reads_i
         return jnp.sum(y * z) + jnp.sum(z @ v)
 
     assert _jax_residual_bytes(scaled, W) > ONE
-    assert [(r.total, r.label) for r in memory.kept_residuals(scaled, W)] == [(ONE, "tanh")]
-    assert sorted(r.label for r in memory.kept_residuals(fed_to_matmul, W, V)) == ["mul", "tanh"]
+    assert [(r.total, r.label) for r in residuals.kept_residuals(scaled, W)] == [(ONE, "tanh")]
+    assert sorted(r.label for r in residuals.kept_residuals(fed_to_matmul, W, V)) == ["mul", "tanh"]
 
 
 def test_a_value_scaled_per_feature_is_kept_for_the_scales_gradient():
@@ -167,8 +167,8 @@ def test_a_value_scaled_per_feature_is_kept_for_the_scales_gradient():
         y = jnp.tanh(X @ w) * 2.0  # cheap, from the kept tanh output
         return jnp.sum(jnp.sin(y * s))
 
-    per_feature = memory.kept_residuals(scaled, W, jax.ShapeDtypeStruct((16,), jnp.float32))
-    elementwise = memory.kept_residuals(scaled, W, jax.ShapeDtypeStruct((64, 16), jnp.float32))
+    per_feature = residuals.kept_residuals(scaled, W, jax.ShapeDtypeStruct((16,), jnp.float32))
+    elementwise = residuals.kept_residuals(scaled, W, jax.ShapeDtypeStruct((64, 16), jnp.float32))
     # s broadcast over the rows: its gradient sums y * cotangent over them, so y must exist
     assert sorted(r.label for r in per_feature) == ["cos", "mul", "tanh"]
     assert sorted(r.label for r in elementwise) == ["cos", "tanh"]
@@ -180,7 +180,7 @@ def test_a_reshaped_residual_is_counted_once():
         return jnp.sum(y.reshape(8, 8, 16) @ v)  # the matmul reads the reshape of y
 
     assert _jax_residual_bytes(reshaped, W, V) >= 2 * ONE  # tanh's output and its reshape
-    assert [(r.total, r.label) for r in memory.kept_residuals(reshaped, W, V)] == [(ONE, "tanh")]
+    assert [(r.total, r.label) for r in residuals.kept_residuals(reshaped, W, V)] == [(ONE, "tanh")]
 
 
 @pytest.mark.parametrize("unroll", [1, 4])
@@ -192,7 +192,7 @@ def test_a_rolled_loop_keeps_every_stacked_residual_an_unrolled_one_fuses(unroll
 
         return jax.lax.scan(body, X, None, length=4, unroll=unroll)[0].sum()
 
-    kept = memory.kept_residuals(layers, W)
+    kept = residuals.kept_residuals(layers, W)
     assert all(r.copies == 4 for r in kept)  # stacked over the 4 iterations
     if unroll == 1:  # loop outputs: nothing can be recomputed from them
         stacked = [r for r in saved_residuals(layers, W) if r.source == "scan"]
