@@ -112,10 +112,10 @@ def test_offload_experiment_is_refused_without_and_accepted_with():
     )
     cfg, step = _step(OFFLOAD)
     assert cfg.offload.optimizer
-    breakdown, cap = preflight.check_analytic(cfg, step, offload_cost._element_spec(step))
+    breakdown, cap = preflight.check_analytic(cfg, step, step.element_spec)
     assert breakdown.total <= cap.usable_bytes < breakdown.total + breakdown.host["optimizer"]
     assert f"{breakdown.total / MIB:.2f} MiB" in header and f"{breakdown.host['optimizer'] / MIB:.2f} MiB" in header
-    compiled = preflight.check_compiled(cfg, step, offload_cost._element_spec(step), breakdown, cap)
+    compiled = preflight.check_compiled(cfg, step, step.element_spec, breakdown, cap)
     assert "train step" in compiled  # XLA's figures, less the host state, fit too
 
 

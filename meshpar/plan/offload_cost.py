@@ -243,7 +243,7 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
     axes = tuple(a for a in cost_lib.batch_axes(cfg.layout) if a in sizes)
     params = candidates_lib.param_dims(step.plan.abstract.params)
     try:
-        rules = candidates_lib.fsdp_param_layout(cfg, _element_spec(step), params, axes, sizes)
+        rules = candidates_lib.fsdp_param_layout(cfg, step.element_spec, params, axes, sizes)
     except ConfigError as e:
         if skipped is not None:
             skipped.append(Skipped("param_layout", (), str(e).removeprefix(f"{e.key}: ")))
@@ -270,7 +270,7 @@ def prepare_all(
         try:
             new = _apply(cfg, option.overrides)
             config_lib.check_batch_size(new, dict(step.mesh.shape))
-            out.append(prepare(new, parts.abstract_step(new, step.mesh, _element_spec(step)), option))
+            out.append(prepare(new, parts.abstract_step(new, step.mesh, step.element_spec), option))
         except candidates_lib.ILLEGAL as e:
             if skipped is not None:
                 skipped.append(Skipped(option.label, option.overrides, str(e)))
@@ -307,11 +307,6 @@ def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
     """The config's step time on `topo` from its compiled HLO, batch placement included
     (:func:`meshpar.plan.timing.predict`; compiled here, nothing allocated)."""
     return timing.predict(cfg, step, step.lower().compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
-
-
-def _element_spec(step: parts.AbstractStep) -> dict:
-    """The train data's element spec, from the abstract batch (so no source is opened again)."""
-    return {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
 
 
 def sweep(

@@ -237,21 +237,14 @@ def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], comp
     return out
 
 
-def activation_traffic(cfg: Config, spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(count, elements each) of the all-reduces over the model axis a model split of `dims`
-    adds per step, for `rows` batch rows per device: the family's
-    (:attr:`meshpar.models.Family.activation_all_reduces`)."""
-    return MODELS[cfg.model.name].activation_all_reduces(cfg.model, spec, rows, dims)
-
-
 def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
     """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
     sizes = option.sizes
-    spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
+    spec, family = step.element_spec, MODELS[cfg.model.name]
     batch_ways = math.prod(sizes[a] for a in option.batch)
     model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
     dtype = throughput.compute_dtype(cfg.model)
-    flops = MODELS[cfg.model.name].flops_per_example(cfg.model, spec) * cfg.train.batch_size / (batch_ways * model_ways)
+    flops = family.flops_per_example(cfg.model, spec) * cfg.train.batch_size / (batch_ways * model_ways)
     flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
@@ -264,7 +257,7 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
     )
     activation_s = 0.0
     if model_ways > 1:
-        count, elements = activation_traffic(cfg, spec, cfg.train.batch_size // batch_ways, dims)
+        count, elements = family.activation_all_reduces(cfg.model, spec, cfg.train.batch_size // batch_ways, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
         activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count)
     feed_s = cost.feed_seconds(cfg, topo)
