@@ -47,3 +47,11 @@ def configure(cfg) -> str | None:
         jax.config.update("jax_compilation_cache_dir", path)
         compilation_cache.reset_cache()  # the next compilation opens the new folder
     return path
+
+
+def turn_off() -> None:
+    """No persistent cache in this process from now on, whatever was configured.
+    Programs compiled for a compile-only target (XLA's GPU compiler on a host
+    without the GPU) are written to the cache but cannot be read back by such a client: every
+    later read would warn, and nothing would be gained."""
+    jax.config.update("jax_enable_compilation_cache", False)

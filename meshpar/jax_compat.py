@@ -89,3 +89,18 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
     from jax._src.ad_checkpoint import saved_residuals as private  # private: see above
 
     return [Residual(tuple(aval.shape), np.dtype(aval.dtype), _source(where)) for aval, where in private(fn, *args)]
+
+
+def load_jax_plugins() -> None:
+    """Import jax and load its installed PJRT plugins (each ``jax_plugins`` module's
+    ``initialize()``, which registers its platform) without starting a backend: what the first
+    ``jax.devices()`` does before it starts one. :mod:`meshpar.quiet` runs it with stderr captured,
+    since the CUDA plugin prints its noise as it loads; ``jax.distributed.initialize`` may still
+    follow, as no backend has started. Idempotent: jax loads its plugins once per process.
+
+    Public API to move to: none in jax 0.10 or 0.12 (the plugins load only inside the backend's
+    start: ``jax.devices()``, ``jax.extend.backend.get_backend()`` and the like).
+    """
+    from jax._src import xla_bridge  # private: see above
+
+    xla_bridge._discover_and_register_pjrt_plugins()

@@ -257,6 +257,25 @@ def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> Iterat
         _ACTIVE.reset(token)
 
 
+def platform() -> str:
+    """The platform the model being traced is compiled for: that of the active mesh's devices
+    (a compile target's, e.g. a GPU's compile-only devices on a host without one), else the
+    default backend's. Backend-dependent choices made at trace time (a layer loop's form, the
+    attention implementation) ask this, so that they follow the target, not the host."""
+    active = _ACTIVE.get()
+    if active is not None:
+        return active[1].devices.flat[0].platform
+    return jax.default_backend()
+
+
+def compile_only() -> bool:
+    """Whether the active mesh's devices are a compile-only target (nothing can run on them)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return False
+    return getattr(active[1].devices.flat[0].client, "runtime_type", "") == "compile_only_runtime"
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[set[str]]:
     """Within this block, the name of every dim that :func:`constrain` places (under

@@ -1,6 +1,7 @@
 """The analytic memory model against XLA's figures for the compiled train step, per config.
 
-    python scripts/validate_memory.py [--generated | --ci] [--target 0.10] [--json out.json] [experiments/x.yaml ...]
+    python scripts/validate_memory.py [--generated | --ci | --gpu-ci] [--gpu | --targets h100-sxm-8,...]
+                                      [--target 0.10] [--json out.json] [experiments/x.yaml ...]
 
 Two sets of configs. **shipped**: every ``experiments/*.yaml`` and the variants in VARIANTS
 (remat, microbatches, a rolled layer loop). **generated** (:func:`generated`): about three dozen
@@ -26,11 +27,26 @@ compared on what that program holds:
   argument + output + temp − alias, with the error; ``plan total`` is the analytic total with
   them.
 
-A row passes when its step total is within ``--target`` (default TARGET) of XLA's. A config the
-model declares out of its scope on this platform (:func:`meshpar.plan.memory.out_of_scope`) is
-listed with the reason and counts neither way; a config that cannot be planned (a config,
-layout or data error) is one line with the error and counts as a miss. Exit status: 1 when any
-row in scope misses the target, else 0.
+**XLA:GPU** (``--gpu``: the GPU_TARGETS machines; ``--targets``: the topologies named): the same
+step compiled for each machine's GPUs by XLA's GPU compiler, deviceless
+(:mod:`meshpar.plan.gpu_target`; the ``gpu-plan`` extra), under both of its GEMM lowerings —
+``triton`` (its default: matmuls as Triton GEMM fusions) and ``cublas``
+(``xla_gpu_enable_triton_gemm`` off: cuBLAS calls, each with its workspace), the lowering checked
+in the compiled program (its GEMM custom calls counted) — against the analytic model for that
+platform and lowering (traced as the GPU program is: the layer loop's form, the attention
+kernel; each matmul's scratch read from XLA:GPU's lowering of it alone:
+:func:`meshpar.plan.memory.matmul_scratch`), step total against XLA's total. A mesh with more
+devices than the machine is "n/a"; the table's ✗ marks a miss. ``--gpu-ci``:
+GPU_CI, a few small configs on GPU_CI_TARGETS, both lowerings, XLA:GPU only (``--ci`` has the XLA:CPU
+rows), for CI with the extra installed.
+
+A row passes when its step total is within ``--target`` (default TARGET) of XLA's, on every
+platform compiled for. A config the model declares out of its scope on a platform
+(:func:`meshpar.plan.memory.out_of_scope`) is listed with the reason and counts neither way; a
+config that cannot be planned (a config, layout or data error) is one line with the error and
+counts as a miss; the JSON has every figure (a row's ``gpu``: per machine and lowering). Exit
+status: 1 when any row in scope misses the target, else 0; 2 when XLA:GPU columns were asked
+for and its compiler is not installed (one line saying how to install it).
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import json
 import random
 import sys
 import time
+import warnings
 
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
 VARIANTS = [
@@ -53,6 +70,14 @@ VARIANTS = [
     ("experiments/quickstart.yaml", ["model.scan_unroll=1"]),
 ]
 TARGET = 0.10  # |analytic − XLA| / XLA on the step total
+GPU_TARGETS = ("h100-sxm-8", "h200-sxm-8")  # --gpu: XLA:GPU columns for these machines
+GPU_CI_TARGETS = ("h100-sxm-8",)
+# XLA:GPU's GEMM lowerings: its default (Triton GEMM fusions) and cuBLAS's library calls.
+LOWERINGS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+# What each lowering's GEMMs look like in the compiled program (a custom call's target, a fusion's kind).
+GEMM_MARKS = {
+    "triton": ("__triton_gemm", "__triton_nested_gemm_fusion"), "cublas": ("__cublas$lt$matmul", "__cublas$gemm"),
+}  # fmt: skip
 SEED = 20240611  # the generated set: the same configs on every run
 GENERATED = 36  # configs in the generated set
 CI_GENERATED = 6  # of which --ci compiles this many, the cheapest of distinct layouts
@@ -101,9 +126,20 @@ NAMED = [
 ]  # fmt: skip
 
 
+_TINY = ["model.d_model=64", "model.n_heads=4", "model.d_head=16", "model.d_ff=256", "model.max_length=64",
+         "data.length=64", "train.batch_size=16", *_TEXT]
+# --gpu-ci: small configs, each compiled in seconds, the ways the GPU program differs from XLA:CPU's:
+# a layer loop that runs as a loop, a data-parallel all-reduce, FSDP's gathers and reduce-scatters.
+GPU_CI = [
+    (TRANSFORMER, ["model.n_layers=2", *_TINY]),
+    (MLP, ["model.hidden=[512,256]", "data.num_features=256", "train.batch_size=256"]),
+    ("experiments/transformer_fsdp.yaml", ["model.n_layers=2", "train.microbatches=2", *_TINY]),
+]  # fmt: skip
+
+
 def _transformer(rng: random.Random, kind: str) -> list[str]:
     mesh, layout, params = rng.choice(TRANSFORMER_LAYOUTS[kind])
-    axes = dict((a, int(n)) for a, n in (p.split(":") for p in mesh.split(",")))
+    axes = {a: int(n) for a, n in (p.split(":") for p in mesh.split(","))}
     split = max(axes.values()) if kind != "data" else 1  # what heads, d_ff and length must divide by
     rows = axes.get("data", 1)
     heads = rng.choice([h for h in (4, 8, 16) if h % split == 0])
@@ -129,7 +165,7 @@ def _transformer(rng: random.Random, kind: str) -> list[str]:
 
 def _mlp(rng: random.Random, kind: str) -> list[str]:
     mesh, layout, params = rng.choice(MLP_LAYOUTS[kind])
-    axes = dict((a, int(n)) for a, n in (p.split(":") for p in mesh.split(",")))
+    axes = {a: int(n) for a, n in (p.split(":") for p in mesh.split(","))}
     rows = axes.get("data", 1)
     hidden = rng.choice([[512, 256], [1024, 1024], [2048], [256, 256, 256], [4096, 512]])
     batch = rng.choice([64, 256, 1024])
@@ -192,6 +228,23 @@ def _err(analytic: int, xla: int) -> float:
     return (analytic - xla) / xla if xla else 0.0
 
 
+def _compare(plan, xla: dict) -> dict:
+    """The analytic breakdown against one compiled step's figures (see the module docstring)."""
+    c = plan.categories
+    pairs = {
+        "state+batch": (c["params"] + c["optimizer"] + c["inputs"], xla["argument_bytes"]),
+        "working set": (c["grads"] + c["activations"] + c.get("workspace", 0), xla["temp_bytes"]),
+        "step total": (_step_total(plan), xla["total_bytes"]),
+    }
+    return {k: {"analytic_bytes": a, "xla_bytes": x, "error": _err(a, x)} for k, (a, x) in pairs.items()}
+
+
+def _step_total(plan) -> int:
+    """The analytic total less what lives outside the step program (queued batches, the relay's copies)."""
+    c = plan.categories
+    return plan.total - c["queued_inputs"] - c.get("relay_inputs", 0)
+
+
 def measure(path: str, overrides: list[str]) -> dict:
     """One row: the analytic breakdown against XLA's compiled step, or why there is none."""
     import jax
@@ -207,23 +260,58 @@ def measure(path: str, overrides: list[str]) -> dict:
     step = parts.abstract_step(cfg)
     plan = memory.analytic(cfg, step)
     xla = aot.memory(step.lower().compile())
-    c = plan.categories
-    one_batch = c["inputs"]
-    step_total = plan.total - c["queued_inputs"] - c.get("relay_inputs", 0)
-    pairs = {
-        "state+batch": (c["params"] + c["optimizer"] + one_batch, xla["argument_bytes"]),
-        "working set": (c["grads"] + c["activations"] + c.get("workspace", 0), xla["temp_bytes"]),
-        "step total": (step_total, xla["total_bytes"]),
-    }
     by_label: dict[str, int] = {}  # saved activations by checkpoint_name tag (else the op that makes them)
     for r in memory.saved_activations(cfg, step):
         by_label[r.label] = by_label.get(r.label, 0) + r.total
     return {
-        **row, "analytic": c, "exact": sorted(plan.exact),
+        **row, "analytic": plan.categories, "exact": sorted(plan.exact),
         "activations_by_label": dict(sorted(by_label.items(), key=lambda kv: -kv[1])),
-        "plan_total_bytes": plan.total, "xla": xla,
-        "compare": {k: {"analytic_bytes": a, "xla_bytes": x, "error": _err(a, x)} for k, (a, x) in pairs.items()},
+        "plan_total_bytes": plan.total, "xla": xla, "compare": _compare(plan, xla),
     }  # fmt: skip
+
+
+def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
+    """The config's step compiled for the GPUs of the topology `name` under each of LOWERINGS,
+    against the analytic model for that platform and lowering: ``{"compiled_for", "lowerings":
+    {lowering: {"analytic", "step_total_bytes", "xla", "compare", "gemm_calls"}}}``; ``{"n/a": why}``
+    when the mesh does not fit the machine, ``{"out_of_scope": why}``, or ``{"error": why}`` (a miss)."""
+    from meshpar import aot, config, parts
+    from meshpar import mesh as mesh_lib
+    from meshpar.plan import gpu_target, memory, topology
+
+    try:
+        cfg = config.load(path, [*overrides, "train.progress=false"])
+    except ValueError as e:
+        return {"error": " ".join(str(e).split())}
+    topo = topology.load(name)
+    target = gpu_target.target(topo, cfg.mesh)
+    if target.devices is None:
+        try:
+            needed = mesh_lib.cpu_device_count(cfg.mesh)
+        except mesh_lib.MeshError:
+            needed = 0
+        why = "mesh larger than the machine" if needed > topo.num_devices else "mesh cannot be laid over the machine"
+        return {"n/a": why}
+    reason = memory.out_of_scope(cfg, "gpu")
+    if reason:
+        return {"out_of_scope": reason}
+    try:
+        step = parts.abstract_step(cfg, devices=target.devices)
+        lowered = step.lower()
+        out = {"compiled_for": target.compiled_for, "lowerings": {}}
+        for lowering, options in LOWERINGS.items():
+            plan = memory.analytic(cfg, step, compiler_options=options)  # the matmuls' lowering follows the options
+            compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+            text = compiled.as_text()
+            calls = {k: sum(text.count(m) for m in marks) for k, marks in GEMM_MARKS.items()}
+            xla = aot.memory(compiled)
+            out["lowerings"][lowering] = {
+                "analytic": plan.categories, "step_total_bytes": _step_total(plan), "xla": xla,
+                "compare": _compare(plan, xla), "gemm_calls": calls,
+            }  # fmt: skip
+    except (ValueError, RuntimeError) as e:  # a config XLA:GPU or the model refuses (JaxRuntimeError included)
+        return {"error": " ".join(str(e).split())}
+    return out
 
 
 def _name(path: str, overrides: list[str]) -> str:
@@ -243,7 +331,7 @@ def _table(title: str, rows: list[dict], target: float):
         name = _name(r["config"], r["overrides"])
         if "error" in r or "out_of_scope" in r:
             text = f"cannot plan: {r['error']}" if "error" in r else f"out of scope: {r['out_of_scope']}"
-            table.add_row(name, text, *[""] * 10)
+            table.add_row(name, text, *[""] * 9)
             continue
         c, cmp = r["analytic"], r["compare"]
 
@@ -267,15 +355,103 @@ def _passes(r: dict, target: float) -> bool | None:
     return "error" not in r and abs(r["compare"]["step total"]["error"]) <= target
 
 
+def _gpu_columns(targets) -> list[tuple[str, str]]:
+    return [(t, lowering) for t in targets for lowering in LOWERINGS]
+
+
+def _gpu_verdicts(r: dict, targets, target: float) -> dict:
+    """(machine, lowering) -> True within target, False a miss (or an error), None n/a or out of scope."""
+    out = {}
+    for t, lowering in _gpu_columns(targets):
+        cell = r.get("gpu", {}).get(t, {})
+        if "n/a" in cell or "out_of_scope" in cell:
+            out[t, lowering] = None
+        elif "error" in cell or "error" in r:
+            out[t, lowering] = False
+        else:
+            out[t, lowering] = abs(cell["lowerings"][lowering]["compare"]["step total"]["error"]) <= target
+    return out
+
+
+def _not_in_effect(cell: dict, lowering: str) -> bool:
+    """The cuBLAS lowering asked for, and the compiled program still has Triton GEMMs but no cuBLAS call."""
+    calls = cell["lowerings"][lowering]["gemm_calls"]
+    return lowering == "cublas" and not calls["cublas"] and calls["triton"] > 0
+
+
+def _gpu_table(title: str, rows: list[dict], targets, target: float):
+    """Step totals, MiB per device: the analytic model and XLA:CPU's, then the analytic model and
+    XLA:GPU's for each machine and lowering (the error: analytic − XLA, over XLA)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("experiment", overflow="fold")
+    table.add_column("analytic / XLA:CPU", justify="right")
+    for t, lowering in _gpu_columns(targets):
+        table.add_column(f"{t} {lowering}: analytic / XLA:GPU", justify="right")
+    for r in rows:
+        name = _name(r["config"], r["overrides"])
+        if "error" in r:
+            cpu = "cannot plan"
+        elif "out_of_scope" in r:
+            cpu = "out of scope"
+        elif "compare" not in r:
+            cpu = "not compiled"
+        else:
+            cmp = r["compare"]["step total"]
+            mark = " ✗" if abs(cmp["error"]) > target else ""
+            cpu = f"{_mib(cmp['analytic_bytes'])} / {_mib(cmp['xla_bytes'])} ({cmp['error']:+.1%}){mark}"
+        cells = []
+        for t, lowering in _gpu_columns(targets):
+            cell = r.get("gpu", {}).get(t, {})
+            if "n/a" in cell:
+                cells.append(f"n/a ({cell['n/a']})")
+            elif "out_of_scope" in cell:
+                cells.append("out of scope")
+            elif "error" in cell:
+                cells.append(f"cannot plan: {cell['error'][:60]}")
+            else:
+                cmp = cell["lowerings"][lowering]["compare"]["step total"]
+                mark = " ✗" if abs(cmp["error"]) > target else ""
+                mark += " (no cuBLAS call: lowering not in effect)" if _not_in_effect(cell, lowering) else ""
+                cells.append(f"{_mib(cmp['analytic_bytes'])} / {_mib(cmp['xla_bytes'])} ({cmp['error']:+.1%}){mark}")
+        table.add_row(name, cpu, *cells)
+    return table
+
+
+def _spread(errors: list[float]) -> str:
+    return f"{min(errors):+.1%}..{max(errors):+.1%}" if errors else "none"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", help="experiment YAMLs (default: the shipped and the generated set)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--generated", action="store_true", help="the generated set only")
     which.add_argument("--ci", action="store_true", help="the shipped set and a CI-sized slice of the generated one")
+    which.add_argument("--gpu-ci", action="store_true",
+                       help=f"GPU_CI's configs, XLA:GPU only, for {', '.join(GPU_CI_TARGETS)} (CI, the gpu-plan extra)")
+    parser.add_argument("--gpu", action="store_true", help=f"add XLA:GPU columns for {', '.join(GPU_TARGETS)}")
+    parser.add_argument("--targets", help="add XLA:GPU columns for these GPU topologies (comma-separated)")
     parser.add_argument("--target", type=float, default=TARGET, help=f"|error| a row may have (default {TARGET})")
     parser.add_argument("--json", help="write the rows here as JSON")
     args = parser.parse_args(argv)
+    targets: tuple[str, ...] = ()
+    if args.targets:
+        targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    elif args.gpu:
+        targets = GPU_TARGETS
+    elif args.gpu_ci:
+        targets = GPU_CI_TARGETS
+    if targets:
+        from meshpar.plan import gpu_target
+
+        why = gpu_target.missing()
+        if why:
+            print(f"XLA:GPU columns asked for: {why}", file=sys.stderr)
+            return 2
+        # a compile-only client cannot read back what the persistent cache holds: harmless, and said per compile
+        warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
     shipped = [(p, []) for p in sorted(glob.glob("experiments/*.yaml"))] + VARIANTS
     if args.configs:
         sets = {"given": [(p, []) for p in args.configs]}
@@ -283,6 +459,8 @@ def main(argv=None) -> int:
         sets = {"generated": generated()}
     elif args.ci:
         sets = {"shipped": shipped, "generated (CI slice)": ci_slice(generated())}
+    elif args.gpu_ci:
+        sets = {"GPU CI": GPU_CI}
     else:
         sets = {"shipped": shipped, "generated": generated()}
 
@@ -299,24 +477,47 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 240)
-    start, out, failed = time.perf_counter(), {"target": args.target, "seed": SEED, "sets": {}}, False
+    start, failed = time.perf_counter(), False
+    out = {"target": args.target, "seed": SEED, "gpu_targets": list(targets), "lowerings": LOWERINGS, "sets": {}}
     summary = []
     for title, runs in sets.items():
         rows = []
         for path, overrides in runs:
             try:
-                rows.append(measure(path, overrides))
+                row = measure(path, overrides) if not args.gpu_ci else {"config": path, "overrides": overrides}
             except ValueError as e:  # ConfigError, LayoutError, MeshError, DataError, a model's refusal
-                rows.append({"config": path, "overrides": overrides, "error": " ".join(str(e).split())})
-        verdicts = [_passes(r, args.target) for r in rows]
-        scoped = [v for v in verdicts if v is not None]
-        failed |= not all(scoped)
-        console.print(_table(f"{title}: analytic memory model vs XLA's compiled train step, MiB per device", rows,
-                             args.target))  # fmt: skip
-        reasons = sorted({r["out_of_scope"] for r in rows if "out_of_scope" in r})
-        line = f"{title}: {sum(scoped)}/{len(scoped)} within {args.target:.1%} of XLA's total"
-        line += f"; out of scope: {len(rows) - len(scoped)}" + (f" ({'; '.join(reasons)})" if reasons else "")
-        summary.append(line)
+                row = {"config": path, "overrides": overrides, "error": " ".join(str(e).split())}
+            if targets:
+                row["gpu"] = {t: measure_gpu(path, overrides, t) for t in targets}
+            rows.append(row)
+        if not args.gpu_ci:  # --gpu-ci: XLA:GPU only (--ci has the XLA:CPU rows)
+            verdicts = [_passes(r, args.target) for r in rows]
+            scoped = [v for v in verdicts if v is not None]
+            failed |= not all(scoped)
+            console.print(_table(f"{title}: analytic memory model vs XLA's compiled train step, MiB per device", rows,
+                                 args.target))  # fmt: skip
+            reasons = sorted({r["out_of_scope"] for r in rows if "out_of_scope" in r})
+            cpu_errors = [r["compare"]["step total"]["error"] for r in rows if "compare" in r]
+            line = f"{title}: {sum(scoped)}/{len(scoped)} within {args.target:.1%} of XLA's total"
+            line += f" (XLA:CPU spread {_spread(cpu_errors)})"
+            line += f"; out of scope: {len(rows) - len(scoped)}" + (f" ({'; '.join(reasons)})" if reasons else "")
+            summary.append(line)
+        if targets:
+            console.print(_gpu_table(f"{title}: step total, analytic vs XLA:CPU and XLA:GPU, MiB per device", rows,
+                                     targets, args.target))  # fmt: skip
+            gpu = [_gpu_verdicts(r, targets, args.target) for r in rows]
+            for t, lowering in _gpu_columns(targets):
+                column = [v[t, lowering] for v in gpu if v[t, lowering] is not None]
+                failed |= not all(column)
+                errors = [r["gpu"][t]["lowerings"][lowering]["compare"]["step total"]["error"]
+                          for r in rows if "lowerings" in r["gpu"][t]]  # fmt: skip
+                absent = len(rows) - len(column)
+                summary.append(f"{title}: XLA:GPU {t} {lowering}: {sum(column)}/{len(column)} within "
+                               f"{args.target:.1%} (spread {_spread(errors)}); n/a or out of scope: {absent}")
+            cells = [c for r in rows for c in r["gpu"].values()]
+            gpu_reasons = sorted({c.get("out_of_scope") or c.get("n/a") for c in cells} - {None})
+            if gpu_reasons:
+                summary.append(f"{title}: XLA:GPU n/a or out of scope: {'; '.join(gpu_reasons)}")
         out["sets"][title] = rows
     for line in summary:
         console.print(line)

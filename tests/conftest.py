@@ -1,5 +1,5 @@
 """8 simulated CPU devices for every test, set before any JAX backend starts; one compilation
-cache per pytest run; the smoke subset."""
+cache per pytest run; the smoke subset; the tests that need the gpu-plan extra."""
 
 import atexit
 import os
@@ -19,10 +19,34 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
 
+# meshpar before jax: its import quiets jax's CUDA plugin on a host without a GPU (meshpar.quiet).
+from meshpar import quiet  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Tests that need the gpu-plan extra (XLA's GPU compiler: jax's CUDA plugin) are marked
+# `gpu_target`; each is skipped where the extra is not installed (the main suite runs as a user
+# without it) -- but fails where MESHPAR_REQUIRE_GPU_PLAN=1: .ci/run sets that in the venv it has
+# installed the extra into, so that a broken install cannot pass there as a row of skips.
+GPU_PLAN_MISSING = "the gpu-plan extra is not installed"
+
+
+def require_gpu_plan() -> None:
+    """Skip the calling test where the gpu-plan extra is not installed, or fail it where
+    MESHPAR_REQUIRE_GPU_PLAN=1. Run before every `gpu_target` test (pytest_runtest_setup below);
+    call it from a test or helper that needs the extra without the mark."""
+    if quiet.cuda_plugin_installed():
+        return
+    if os.environ.get("MESHPAR_REQUIRE_GPU_PLAN") == "1":
+        pytest.fail(f"{GPU_PLAN_MISSING}, and MESHPAR_REQUIRE_GPU_PLAN=1 says it must be", pytrace=False)
+    pytest.skip(GPU_PLAN_MISSING)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu_target") is not None:
+        require_gpu_plan()
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +73,7 @@ SMOKE = (
     "tests/test_distributed.py::test_a_killed_peer_is_named_by_the_survivor_with_the_last_checkpoint",
     "tests/test_liveness.py::test_the_heartbeat_goes_on_through_a_long_xla_compile_and_ends_with_done",
     "tests/test_jax_compat.py",
+    "tests/test_quiet.py",
     "tests/test_loop.py::test_lagged_loop_is_bit_identical_to_waiting_for_every_step_and_syncs_only_where_needed",
     "tests/test_loop.py::test_profile_traces_exactly_its_steps_and_the_compile_cache_fills_its_folder",
 )

@@ -287,3 +287,44 @@ def test_a_layer_loop_run_as_a_loop_holds_one_iterations_slices_and_gathers(extr
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.10 * xla, (step_total, xla)
+
+
+def _lone_matmul_hlo(*ops: str) -> str:
+    """A compiled program of one [64, 8192] x [8192, 64] matmul, as XLA:GPU prints it: `ops` in its ENTRY."""
+    return "\n".join([
+        "HloModule lone", "",
+        "ENTRY %main (p0: f32[64,8192], p1: f32[8192,64]) -> f32[64,64] {",
+        "  %p0 = f32[64,8192]{1,0} parameter(0)",
+        "  %p1 = f32[8192,64]{1,0} parameter(1)",
+        *(f"  {op}" for op in ops),
+        "}", "",
+    ])  # fmt: skip
+
+
+TRITON_GEMM = 'kind=kCustom, calls=%g, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}'
+SPLIT_K_HLO = _lone_matmul_hlo(
+    f"%gemm_fusion_dot = f32[8,64,64]{{2,1,0}} fusion(%p0, %p1), {TRITON_GEMM}",
+    "ROOT %loop_reduce_fusion = f32[64,64]{1,0} fusion(%gemm_fusion_dot), kind=kLoop, calls=%r",
+)
+CUBLAS_HLO = _lone_matmul_hlo(
+    "%transpose = f32[64,8192]{1,0} fusion(%p1), kind=kLoop, calls=%t",
+    '%cublas-lt-matmul = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%p0, %transpose), '
+    'custom_call_target="__cublas$lt$matmul"',
+    "ROOT %gte = f32[64,64]{1,0} get-tuple-element(%cublas-lt-matmul), index=0",
+)
+
+
+def test_a_gemms_scratch_is_what_it_writes_beside_its_result():
+    # Triton's split-K: eight partial results, summed afterwards; cuBLAS: the workspace in its
+    # result tuple (the operand's transposed copy around a lone matmul is not the GEMM's)
+    assert memory._gemm_scratch(SPLIT_K_HLO, 64 * 64) == (0, 8 * 64 * 64 * 4)
+    assert memory._gemm_scratch(CUBLAS_HLO, 64 * 64) == (4 * 2**20, 0)
+    assert memory._gemm_scratch(SPLIT_K_HLO.replace("f32[8,64,64]", "f32[64,64]"), 64 * 64) == (0, 0)  # no split
+
+
+def test_host_offload_on_a_gpu_compiled_deviceless_is_out_of_scope_there_only():
+    cfg = config.load("experiments/offload.yaml")
+    assert jax.default_backend() == "cpu"  # a GPU platform here is a compile-only target
+    assert "compile-only" in memory.out_of_scope(cfg, "gpu")
+    assert "XLA:CPU" in memory.out_of_scope(cfg, "cpu")
+    assert memory.out_of_scope(config.load("experiments/quickstart.yaml"), "gpu") is None

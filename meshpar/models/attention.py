@@ -38,6 +38,7 @@ import jax
 import jax.extend.backend
 import jax.numpy as jnp
 
+from meshpar import layout as layout_lib
 from meshpar.layout import constrain
 
 Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
@@ -60,7 +61,7 @@ def resolve(implementation: str, shape: tuple[int, ...], dtype, block: int) -> s
     if implementation not in ("auto", "xla", "blockwise", "cudnn"):
         raise ValueError(f"attention {implementation!r} is not one of auto, xla, blockwise, cudnn")
     if implementation in ("auto", "cudnn"):
-        if cudnn_problem(tuple(shape), jnp.dtype(dtype)) is None:
+        if cudnn_problem(tuple(shape), jnp.dtype(dtype), layout_lib.platform(), layout_lib.compile_only()) is None:
             return "cudnn"
         return "xla" if implementation == "auto" else "blockwise"
     return implementation
@@ -76,13 +77,19 @@ def check_block(length: int, block: int) -> str | None:
 
 
 @functools.cache
-def cudnn_problem(shape: tuple[int, ...], dtype: jnp.dtype) -> str | None:
-    """Why cuDNN's fused attention cannot run q/k/v of `shape` and `dtype` here, or None if it can."""
-    if jax.default_backend() != "gpu":
-        return f"backend is {jax.default_backend()}, not a CUDA GPU"
-    platform = jax.extend.backend.get_backend().platform_version  # e.g. "cuda 12080", "rocm 60342"
-    if "cuda" not in platform.lower():
-        return f"GPU platform is {platform!r}, not CUDA"
+def cudnn_problem(shape: tuple[int, ...], dtype: jnp.dtype, platform: str | None = None,
+                  compile_only: bool = False) -> str | None:  # fmt: skip
+    """Why cuDNN's fused attention cannot run q/k/v of `shape` and `dtype` on `platform` (the
+    one traced for, :func:`meshpar.layout.platform`; default this host's backend), or None if it
+    can. A compile-only GPU target (meshpar's are CUDA) is checked by jax's own checks on this
+    host: they need cuDNN's library, which a host without a GPU usually lacks, and then say so."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return f"backend is {platform}, not a CUDA GPU"
+    if not compile_only:
+        version = jax.extend.backend.get_backend().platform_version  # e.g. "cuda 12080", "rocm 60342"
+        if "cuda" not in version.lower():
+            return f"GPU platform is {version!r}, not CUDA"
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {dtype} (cuDNN flash attention takes bfloat16 or float16)"
     spec = jax.ShapeDtypeStruct(shape, dtype)

@@ -66,6 +66,7 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshpar import layout as layout_lib
 from meshpar.layout import constrain, use
 from meshpar.models import attention as attention_lib
 from meshpar.models import remat as remat_lib
@@ -225,7 +226,7 @@ def scan_unroll(cfg: TransformerConfig) -> int:
     # A name-based policy set by the step (activation offload, meshpar.models.remat.keeping)
     # needs the loop as much.
     remat_on = cfg.remat != "none" or remat_lib.kept() is not None
-    if jax.default_backend() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:
+    if layout_lib.platform() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:
         return cfg.n_layers
     return 1
 

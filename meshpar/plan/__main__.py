@@ -45,7 +45,7 @@ from rich.console import Console
 from meshpar import config as config_lib
 from meshpar import errors, parts
 from meshpar.config import ConfigError
-from meshpar.plan import cost, feed_time, offload_cost, search_report, time_report, timing, topology
+from meshpar.plan import cost, feed_time, gpu_target, offload_cost, search_report, time_report, timing, topology
 from meshpar.plan import report as report_lib
 from meshpar.plan import search as search_lib
 
@@ -105,6 +105,9 @@ def search(cfg, args, argv: list[str]) -> int:
         result = search_lib.search(cfg, topo, topo.num_devices, search_lib.TOP_K if args.top is None else args.top,
                                    progress=status.update)  # fmt: skip
     title = f"layout search: {args.config} on {topo.name} ({topo.description})"
+    if result.note:
+        console.print(result.note, markup=False, soft_wrap=True)
+    console.print(f"best {result.compiled} compiled for: {result.compiled_for}", markup=False)
     console.print(search_report.table(result, title))
     command = shlex.join(["python", "-m", "meshpar.plan", *argv])
     if args.write and result.best is not None:
@@ -163,7 +166,7 @@ def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_
         skipped = []
         prepared = offload_cost.prepare_all(cfg, step, skipped)
     costs = offload_cost.priced(prepared, topo, overlap, reference_s)
-    sweep = offload_cost.sweep(cfg, topo, sizes, overlap) if sizes else []
+    sweep = offload_cost.sweep(cfg, topo, sizes, overlap, mesh=step.mesh) if sizes else []
     # The config's planned device when it names one (hardware.memory_gib), else the machine's.
     usable = cost.machine_capacity(cfg, topo, step.mesh).usable_bytes
     return _Offload(costs, sweep, offload_cost.host_bandwidth(topo, step.mesh.size), usable, overlap, skipped or ())
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)
     step_time = topo = offload = None
+    target = gpu_target.Target(None, "")
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.search or args.write or args.top is not None:
@@ -244,16 +248,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.topology:
             topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
             sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
-        step = parts.abstract_step(cfg)
+        target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
+        step = parts.abstract_step(cfg, devices=target.devices)
         parts.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
-        report = report_lib.plan(cfg, step)
+        # The machine's device when a machine is named (on cpu-sim: this host's, as a run checks it).
+        capacity = cost.machine_capacity(cfg, topo, step.mesh) if topo is not None else None
+        report = report_lib.plan(cfg, step, capacity=capacity)
+        compiled_for = target.compiled_for or gpu_target.host_label(step.mesh)
         if topo is not None:
             (priced,) = price(cfg, step, report, [topo], sizes, not args.no_overlap)
             feed_s, step_time, offload = priced.feed_s, priced.step_time, priced.offload
+            rates = step_time and time_report.model_rates(cfg, step, step_time, topo)
         if args.json:
-            out = report.to_json()
+            out = {"compiled_for": compiled_for, **report.to_json()}
             if topo is not None:
-                out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": step_time and timing.to_json(step_time)}
+                timed = step_time and {**timing.to_json(step_time), **rates}
+                out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": timed}
                 out["offload"] = offload and offload.to_json()
                 out["unfit"] = priced.unfit or None
             try:
@@ -264,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         return errors.report(e)
 
     console = Console(width=max(Console().width, 136))
+    if target.note:
+        console.print(target.note, markup=False, soft_wrap=True)
+    console.print(f"compiled for: {compiled_for}", markup=False)
     console.print(report_lib.table(report))
     console.print(report_lib.programs_table(report))
     if report.analytic_missing:
@@ -274,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if topo is not None:
         console.print(time_report.step_table(step_time, topo))
+        console.print(time_report.rates_line(rates), markup=False)
         offload.print(console, topo)
     return 0 if report.fits else 1
 

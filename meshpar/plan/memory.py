@@ -145,11 +145,58 @@ moves bytes from these device categories to ``Breakdown.host``, per device, in p
   carries: offloading a carry does nothing, so ``layer_in`` counts on both sides), and the
   backward phase holds one layer's recomputed and fetched residuals, as under remat.
 
+**On XLA:GPU** (the step's devices are GPUs, as a GPU machine's compiled deviceless through
+:mod:`meshpar.plan.gpu_target`) the program differs from XLA:CPU's; the model follows it
+(checked against XLA:GPU's buffer assignment and live ranges at its peak), so:
+
+* the model is traced as the target's program is (:func:`meshpar.plan.shapes.on_target`): the
+  layer loop runs as a loop (XLA:CPU's short stacks are unrolled), every residual its body hands
+  out stacked (the rules above), and attention is the kernel the target gets (cuDNN's fused
+  attention for bfloat16 where jax's checks allow it: no probabilities kept). On every platform
+  the layer the backward recomputes under ``model.remat`` is traced as straight-line code (what
+  ``remat: none`` keeps within fusion's reach): one iteration's, not a loop's stacks;
+* **matmul scratch**: beside a running matmul's operands and output, its GEMM writes buffers of
+  its own — under cuBLAS (``xla_gpu_enable_triton_gemm`` off) a workspace, the ``s8`` second
+  element of each ``__cublas$lt$matmul``'s result (4 MiB in jaxlib 0.10 on every compute
+  capability; a deviceless compile cannot shrink it to the chosen algorithm's need), alive
+  through the call, one call at a time, and calls run all through the backward: the largest is
+  added to the backward phase; under Triton GEMM fusions (the default) split-K partial results
+  (a whole float32 result per slice of the contracted dim, the split chosen by XLA's tiling
+  heuristics from the shapes and the GPU's core count), alive until their reduction runs: the
+  backward walk adds, at each place in the forward's program order, the largest of one matmul
+  the backward runs there. The figures are XLA's own (:func:`matmul_scratch`): every matmul of
+  the backward of each place (a layer loop: every matmul of its body, and the body's own under
+  recomputation) compiled alone for the target device with the step's compiler options, the
+  GEMM's buffers read from the compiled program;
+* collectives: the data-parallel gradients are summed by one combined all-reduce (concatenated,
+  and the summed result: two copies, as above); a gradient ``param_layout`` re-places outside
+  the layer loop is all-reduced whole, then sliced (the combining comes before any could become
+  a reduce-scatter), as on XLA:CPU; the gradient of a stacked parameter of a layer loop that
+  runs as a loop, cast from the compute dtype to its own, is summed before the cast, a layer at
+  a time inside the backward loop, into the stack: no second copy;
+* gathered parameters (``param_layout``) are gathered where each pass uses them (XLA:GPU's
+  latency-hiding scheduler), so one pass's copies at a time, and the transposed layout is the
+  stored shard transposed before the gather (the ``relayout`` copy is the shard's size);
+* with microbatches the gathers stay in the accumulation loop (once per microbatch), each
+  microbatch's gradient is added to the float32 running sum as the backward produces it, in
+  place (the matmul's accumulating epilogue) — except a gradient re-placed to a smaller shard
+  (whole until reduce-scattered, in the loop) and the stacked gradients of a layer loop that
+  runs as a loop (every stack held until that loop ends); the update phase holds the running
+  sum, and its all-reduced copy where the devices sum it, nothing beside them;
+* not modelled: how XLA:GPU packs the step's temp buffers into one block (a small step's temp
+  can be a few MiB above the most live at its peak, worst beside a 4 MiB cuBLAS workspace), and
+  the scheduler's choices of which matmuls' scratch overlap (straight-line backward code can
+  run both matmuls of one matmul's backward before either partial result is reduced). Steps of
+  a few MiB, and model-parallel MLPs with long contractions, are where these show (the
+  validation's spread).
+
 Out of scope (:func:`out_of_scope` names the reason, and no figure stands for these): on
 XLA:CPU, bfloat16 compute (it computes bfloat16 matmuls in float32 and keeps float32 copies of
-their operands) and host offload (memory kinds are ignored inside the step); dropout (XLA keeps
-the 32-bit random bits behind each mask); a sequence split (XLA's partitioner gathers keys and
-values over ``length``).
+their operands) and host offload (memory kinds are ignored inside the step); on a GPU compiled
+deviceless (a GPU platform on a host whose backend is not one), host offload (compile-only
+devices have no ``pinned_host`` memory: the step is compiled with everything on the device);
+dropout (XLA keeps the 32-bit random bits behind each mask); a sequence split (XLA's partitioner
+gathers keys and values over ``length``).
 """
 
 from __future__ import annotations
@@ -162,11 +209,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import aot, jaxprs, parts, trainer
+from meshpar import aot, jaxprs, parts, quiet, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
 from meshpar.models import MODELS
-from meshpar.plan import cost, offload_plan, programs, residuals, shapes
+from meshpar.plan import cost, hlo, offload_plan, programs, residuals, shapes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
@@ -191,9 +238,34 @@ class Breakdown:
         return sum(self.host.values())
 
 
+def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False):
+    """The model's loss as a function of the parameters and the batch, and the parameters at one
+    device's shapes (see :func:`saved_activations` for `remat` and `unrolled`)."""
+    state, batch, _ = step.args
+    params = shapes.local_params(state.params, step.layout, step.mesh)
+    graphdef = step.plan.graphdef
+    offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
+    model = cfg.model
+    if unrolled and hasattr(model, "scan_unroll") and hasattr(model, "n_layers"):
+        model = dataclasses.replace(model, scan_unroll=model.n_layers)
+    if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads) or model is not cfg.model:
+        spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
+        model = dataclasses.replace(model, remat=remat) if remat is not None else model
+        build = functools.partial(MODELS[cfg.model.name].build, model, spec)
+        graphdef, _ = trainer.abstract_model(build)
+
+    def loss(params, batch):
+        batch = jax.tree.map(jax.lax.stop_gradient, batch)  # the step differentiates the params only
+        rngs = nnx.Rngs(dropout=jax.random.key(0))
+        return nnx.merge(graphdef, params).loss(batch, rngs=rngs)[0]
+
+    return loss, params
+
+
 def saved_activations(
     cfg: Config, step: parts.AbstractStep, remat: str | None = None, read: set[int] | None = None,
-    uses: dict | None = None, slices: list | None = None, casts: list | None = None,
+    uses: dict | None = None, slices: list | None = None, casts: list | None = None, unrolled: bool = False,
+    matmuls_at: dict | None = None,
 ) -> list[residuals.Residual]:
     """What one device keeps for the backward pass of one microbatch
     (:func:`meshpar.plan.residuals.kept_residuals` of the model's loss at per-device shapes, no
@@ -203,25 +275,88 @@ def saved_activations(
     parameters first, then the batch); `slices`, where the layer loop runs as a loop, what one
     backward iteration writes out of the residual stacks
     (:func:`meshpar.plan.residuals.backward_slices`); `casts`, the parameters' widening casts
-    that are not residuals."""
-    state, batch, _ = step.args
-    params = shapes.local_params(state.params, step.layout, step.mesh)
-    graphdef = step.plan.graphdef
-    offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
-    if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads):
-        spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
-        build = functools.partial(MODELS[cfg.model.name].build, dataclasses.replace(cfg.model, remat=remat), spec)
-        graphdef, _ = trainer.abstract_model(build)
-
-    def loss(params, batch):
-        batch = jax.tree.map(jax.lax.stop_gradient, batch)  # the step differentiates the params only
-        rngs = nnx.Rngs(dropout=jax.random.key(0))
-        return nnx.merge(graphdef, params).loss(batch, rngs=rngs)[0]
-
-    kept = residuals.kept_residuals(loss, params, shapes.device_batch(cfg, step), read=read, uses=uses, casts=casts)
-    if slices is not None and any(r.rolled for r in kept):
-        slices.append(residuals.backward_slices(loss, params, shapes.device_batch(cfg, step)))
+    that are not residuals. `unrolled`: trace the layer loop as straight-line code (every layer
+    in one iteration), as the backward recomputes one layer under remat, within fusion's reach.
+    `matmuls_at`: the matmuls each place in the forward's program order runs
+    (:func:`meshpar.plan.residuals.kept_residuals`)."""
+    loss, params = _local_loss(cfg, step, remat, unrolled)
+    local = shapes.device_batch(cfg, step)
+    with shapes.on_target(step):  # the layer loop's form and the attention kernel the target's
+        kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at)
+        if slices is not None and any(r.rolled for r in kept):
+            slices.append(residuals.backward_slices(loss, params, local))
     return kept
+
+
+def matmul_scratch(
+    step: parts.AbstractStep, matmuls_at: dict, compiler_options: dict | None = None
+) -> tuple[int, dict[int, int]]:
+    """What XLA:GPU's lowering of the backward's matmuls holds beside their operands and outputs
+    (see the module docstring): (the largest workspace of any of them, alive through its call —
+    one call at a time, and calls run all through the backward; place in the forward's program
+    order -> the largest partial results of a matmul the backward runs there). The matmuls are
+    those of the backward of each matmul at a place (`matmuls_at`: :func:`saved_activations`; a
+    loop's, every matmul of its body, and the body's own under remat's recomputation), each
+    compiled alone for the step's device with `compiler_options` (and the ``XLA_FLAGS`` in
+    effect), its GEMM's own buffers read from the compiled program (:func:`_gemm_scratch`)."""
+    device = step.mesh.devices.flat[0]
+    options = tuple(sorted((k, v) for k, v in (compiler_options or {}).items() if not k.startswith("xla_dump")))
+    workspace, partials = 0, {}
+    for place, (loop, eqns) in matmuls_at.items():
+        found = [_lone_matmul_scratch(device, options, t) for e in eqns for t in _transposes(e)]
+        if loop:  # a loop's body: its own matmuls run again in the backward's iteration under remat
+            found += [_lone_matmul_scratch(device, options, e) for e in eqns]
+        workspace = max([workspace, *(w for w, _ in found)])
+        partials[place] = max((p for _, p in found), default=0)  # one matmul's at a time
+    return workspace, partials
+
+
+def _transposes(eqn) -> list:
+    """The matmuls of the backward of the matmul `eqn` (its operands' cotangents)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+
+    def backward(*xs):
+        out, vjp = jax.vjp(lambda *ys: eqn.primitive.bind(*ys, **eqn.params), *xs)
+        return vjp(jnp.ones_like(out))
+
+    return [e for j in jaxprs.nested(jax.make_jaxpr(backward)(*avals)) for e in j.eqns
+            if jaxprs.is_matmul(e)][1:]  # fmt: skip
+
+
+_SCRATCH: dict = {}  # (device, options, primitive, operands, params) -> bytes
+
+
+def _lone_matmul_scratch(device, options: tuple, eqn) -> tuple[int, int]:
+    """(workspace, partial results): bytes the GEMM of the matmul `eqn`, compiled alone on abstract
+    operands for `device`, writes beside the matmul's result (:func:`_gemm_scratch`)."""
+    operands = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
+    key = (device, options, eqn.primitive, operands, repr(sorted(eqn.params.items())))
+    if key not in _SCRATCH:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in operands]
+        lowered = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params)).lower(*args)
+        with quiet.native_stderr_filtered():
+            compiled = lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
+        _SCRATCH[key] = _gemm_scratch(compiled.as_text(), math.prod(eqn.outvars[0].aval.shape))
+    return _SCRATCH[key]
+
+
+def _gemm_scratch(text: str, result: int) -> tuple[int, int]:
+    """(workspace, partial results): bytes the GEMMs of a compiled program of one matmul write
+    beside its result (of `result` elements) — a cuBLAS call's workspace (the second element of
+    its result tuple), a Triton GEMM's split-K partial results (one result per slice of the
+    contracted dim, summed by a reduction afterwards). Operand copies that layout assignment
+    adds around a lone matmul are not counted: in the whole step, the producers write the layout
+    the GEMM reads."""
+    module = hlo.parse(text)
+    workspace = partials = 0
+    for op in module.computations[module.entry]:
+        library, fused = hlo.target(op).startswith("__cublas"), "gemm" in hlo.fusion_kind(op)
+        # every buffer a GEMM writes but the result itself (the model counts that as the matmul's output)
+        extra = sum(hlo.shape_bytes(leaf) for leaf in hlo.leaves(op.shape) if hlo.elements(leaf) != result)
+        workspace += extra if library else 0
+        partials += extra if fused else 0
+    return workspace, partials
 
 
 def out_of_scope(cfg: Config, platform: str) -> str | None:
@@ -241,6 +376,11 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     moved = any(getattr(offload, k, False) for k in ("optimizer", "params"))
     if platform == "cpu" and (moved or getattr(offload, "activations", "none") != "none"):
         return "host offload on XLA:CPU (it ignores memory kinds inside the step: nothing moves to or from the host)"
+    offloaded = moved or getattr(offload, "activations", "none") != "none"
+    if platform == "gpu" and jax.default_backend() != "gpu" and offloaded:
+        # a GPU target on a host without one is compile-only: its devices have no memories to place arrays in
+        return ("host offload on a GPU compiled deviceless (compile-only devices have no pinned_host memory: "
+                "the step is compiled with everything on the device)")  # fmt: skip
     return None
 
 
@@ -254,14 +394,18 @@ def _loop_iteration(residuals: list[residuals.Residual]) -> int:
     return max(loops.values(), default=0)
 
 
-def _backward_walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: int | None, apply: dict) -> int:
+def _backward_walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: int | None, apply: dict,
+                   scratch: dict | None = None) -> int:  # fmt: skip
     """The most the backward pass holds of residuals, cotangents and gradients at once, walking
     the forward's program order in reverse (see the module docstring): at each kept residual the
     residuals made up to there and its cotangent; at each parameter's last use (where its
     gradient is produced) the residuals made before it and that op's cotangent. `together`:
     the gradients' bytes when they are all held to the end (each held from its production on,
     in proportion to its traced bytes), None when each is applied as it is produced (then
-    `apply`: parameter leaf -> what applying its gradient holds, the gradient included)."""
+    `apply`: parameter leaf -> what applying its gradient holds, the gradient included).
+    `scratch`: place -> the partial results the backward's matmuls there hold beside their
+    operands and outputs (:func:`matmul_scratch`; XLA:GPU's Triton GEMMs)."""
+    scratch = scratch or {}
     made: dict[int, int] = {}  # place -> bytes of the residuals made there
     cots: dict[int, int] = {}
     for r in kept:
@@ -279,11 +423,11 @@ def _backward_walk(kept: list[residuals.Residual], uses: dict, nparams: int, tog
         produced += sum(grads[i][2] for i in born)
         held = produced * scale
         if here:  # its residuals read: their cotangent live, and every residual made before
-            peak = max(peak, before + here + cots[p] + held)
+            peak = max(peak, before + here + cots[p] + held + scratch.get(p, 0))
         for i in born:  # the gradient produced: the op's cotangent (a loop's: its largest residual's, its stacks live)
             _, cot, own = grads[i]
             live = before + (here if cot is None else 0) + (cots.get(p, 0) if cot is None else cot)
-            peak = max(peak, live + (held if together is not None else apply.get(i, own)))
+            peak = max(peak, live + (held if together is not None else apply.get(i, own)) + scratch.get(p, 0))
     return int(peak)
 
 
@@ -326,29 +470,50 @@ def _update_extra(cfg: Config, step: parts.AbstractStep, uses: dict) -> dict:
     return {i: _update_copies(tx, tuple(a.shape), a.dtype) * residuals.nbytes(a) for i, a in enumerate(leaves)}
 
 
-def _update_phase(cfg: Config, step: parts.AbstractStep) -> int:
+def _update_phase(cfg: Config, step: parts.AbstractStep, rolled: bool = False) -> int:
     """Bytes the update phase holds beyond the state (see the module docstring): every gradient
-    at its activation-layout shard, and a reduced copy where the devices must sum or re-place it."""
+    at its activation-layout shard, and a reduced copy where the devices must sum or re-place it
+    — but on XLA:GPU for a stacked (``layers``) parameter of a layer loop that runs as a loop
+    (`rolled`) whose gradient is cast to its own dtype from the compute dtype: the partitioner
+    sums it before the cast, inside the backward loop, one layer at a time, into the stack. On
+    XLA:GPU with microbatches, the float32 running sum in the parameters' shardings (each
+    microbatch's gradient re-placed inside the accumulation loop: a reduce-scatter there), and
+    a summed copy of it where the devices must sum it (the combined all-reduce's output)."""
+    compute = getattr(cfg.model, "compute_dtype", None)
     plan, (_, batch, _) = step.plan, step.args
     batch_axes = set()
     for b in batch.values():
         batch_axes |= set(jax.tree.leaves(tuple(b.sharding.spec)[:1]))
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    total = 0
+    gpu = _platform(step) == "gpu"
+    total, accumulated = 0, cfg.train.microbatches > 1 and gpu
     for var, act, own in zip(variables, shapes.act_shardings(plan.abstract.params, step.layout, step.mesh),
                              jax.tree.leaves(plan.shardings.params)):  # fmt: skip
         a, dims = var.get_value(), var.get_metadata().get("dims") or ()
         computed = math.prod(act.shard_shape(a.shape)) * a.dtype.itemsize
         placed = math.prod(own.shard_shape(a.shape)) * a.dtype.itemsize
         summed = not batch_axes <= set(jax.tree.leaves(tuple(act.spec)))
-        if own.spec != act.spec and _cpu(step) and computed > placed and not (dims and dims[0] == "layers"):
-            placed = computed  # XLA:CPU has no reduce-scatter: it all-reduces the whole gradient, then slices
+        if accumulated:  # the running sum, and its all-reduced copy
+            total += math.prod(own.shard_shape(a.shape)) * 4 * (2 if summed and own.spec == act.spec else 1)  # float32
+            continue
+        if own.spec != act.spec and computed > placed and not (dims and dims[0] == "layers"):
+            # XLA:CPU has no reduce-scatter, and XLA:GPU combines the gradients' all-reduces into one
+            # (a concatenation) before any could become a reduce-scatter: each reduces the whole gradient, then slices
+            placed = computed
+        cast = compute is not None and jnp.dtype(compute) != a.dtype
+        if gpu and rolled and cast and dims and dims[0] == "layers" and own.spec == act.spec:
+            summed = False  # reduced layer by layer in the loop (before the cast), not as a whole afterwards
         total += computed + (placed if summed or own.spec != act.spec else 0)
     return total
 
 
+def _platform(step: parts.AbstractStep) -> str:
+    """The platform the step is compiled for (``cpu``, ``gpu``, ``tpu``): its mesh's devices'."""
+    return step.mesh.devices.flat[0].platform
+
+
 def _cpu(step: parts.AbstractStep) -> bool:
-    return step.mesh.devices.flat[0].platform == "cpu"
+    return _platform(step) == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +538,7 @@ def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool
     """The gathered copies of the parameters stored smaller than compute uses them (``param_layout``),
     from their shardings; `read`: the parameter leaves the backward reads (:func:`saved_activations`);
     `rolled`: the layer loop runs as a loop."""
-    plan = step.plan
+    plan, gpu = step.plan, _platform(step) == "gpu"
     remat = getattr(cfg.model, "remat", "none") != "none"
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     kept = forward = again = relayout = grads = outside = loop = layers = 0
@@ -399,7 +564,10 @@ def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool
         shard = own.shard_shape(a.shape)
         lead = next((d for d, n in enumerate(a.shape) if n > 1), 0)
         if any(s != n for d, (s, n) in enumerate(zip(shard, act.shard_shape(a.shape))) if d > lead):
-            relayout = max(relayout, used)
+            relayout = max(relayout, stored if gpu else used)
+    if gpu and cfg.train.microbatches == 1:  # gathered where each pass uses it: one pass's copies at a time
+        return Gathers(kept=kept, copies=forward, rest=forward - outside, relayout=relayout, grads=grads, loop=loop,
+                       layers=layers)  # fmt: skip
     return Gathers(kept=kept, copies=forward + again, rest=forward + again - outside, relayout=relayout, grads=grads, loop=loop, layers=layers)
 
 
@@ -424,8 +592,11 @@ def _gradients_together(cfg: Config, step: parts.AbstractStep) -> int | None:
     return largest
 
 
-def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
-    """The config's per-device memory by category (nothing allocated, nothing compiled)."""
+def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
+    """The config's per-device memory by category (nothing allocated; the step is not compiled —
+    for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
+    :func:`matmul_scratch`). `compiler_options`: those the step will be compiled with
+    (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
     step = step or parts.abstract_step(cfg)
     plan, (_, batch, _) = step.plan, step.args
     params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
@@ -456,9 +627,11 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
     uses: dict = {}  # where the backward produces each gradient
     slices: list[int] = []  # a layer loop run as a loop: one backward iteration's slices of the stacks
     casts: list[int] = []  # the parameters' widening casts that are not residuals
+    matmuls_at: dict = {}  # place -> the matmuls there (XLA:GPU's scratch beside them)
     kept = saved_activations(cfg, step, remat if place.activations != "none" else None, read=read, uses=uses,
-                             slices=slices if remat == "none" else None, casts=casts)
-    gathered = _gathers(cfg, step, read, any(r.rolled for r in kept))  # param_layout: stored split, used whole
+                             slices=slices if remat == "none" else None, casts=casts, matmuls_at=matmuls_at)
+    rolled = any(r.rolled for r in kept)  # the layer loop runs as a loop
+    gathered = _gathers(cfg, step, read, rolled)  # param_layout: stored split, used whole
     activations = sum(r.total for r in kept) + gathered.kept
     if place.params and remat == "none":  # every layer's fetched weights kept for the backward
         activations += (offload_plan.profile(cfg, step).layers - 1) * w.layer_compute
@@ -466,10 +639,13 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
     if slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
         transient = slices[0]
     if remat != "none":  # one layer's recomputed residuals, live during its backward
-        transient += max(_loop_iteration(saved_activations(cfg, step, "none")) - _loop_iteration(kept), 0)
+        recomputed = _loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
+        transient += max(recomputed - _loop_iteration(kept), 0)
     one_at_a_time = None if place.params else _gradients_together(cfg, step)
     if one_at_a_time is None:
-        update = _update_phase(cfg, step) + running_sum + fetched
+        # on XLA:GPU the update phase holds the running sum in its place (see _update_phase)
+        held = 0 if _platform(step) == "gpu" else running_sum
+        update = _update_phase(cfg, step, rolled) + held + fetched
     else:  # each gradient applied as it is produced: one at a time (and the running sum)
         grads = running_sum + one_at_a_time
         update = grads + fetched
@@ -481,13 +657,31 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None) -> Breakdown:
     if one_at_a_time is not None:  # held together, the reduced copies' room is freed before the updates run
         update += max(extra.values(), default=0)
     together = None if one_at_a_time is not None else grads - running_sum + gathered.grads
-    walk = _backward_walk(kept, uses, len(jax.tree.leaves(plan.abstract.params)), together, apply)
-    backward = walk + activations - sum(r.total for r in kept) + running_sum + transient + gathered.loop
+    if cfg.train.microbatches > 1 and _platform(step) == "gpu":
+        # each gradient is added to the running sum as it is produced, in place (the matmul's
+        # accumulating epilogue); one re-placed to a smaller shard exists whole until reduce-scattered
+        # the backward layer loop writes every stacked parameter's gradient into a stack of its own,
+        # all live until the loop ends (its outputs), and only then added to the running sum
+        # (re-placed ones reduce-scattered layer by layer into stacks at their own shard)
+        variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        own = jax.tree.leaves(plan.shardings.params)
+        act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
+        stacks = {i: math.prod(own[i].shard_shape(v.get_value().shape)) * v.get_value().dtype.itemsize
+                  for i, v in enumerate(variables) if rolled and (v.get_metadata().get("dims") or ("",))[0] == "layers"}
+        stacked = sum(stacks.values())
+        replaced = {i for i in range(len(own)) if own[i].spec != act[i].spec}
+        together, apply = None, {i: stacked if i in stacks else u[2] if i in replaced else 0 for i, u in uses.items()}
+    workspace, partials = matmul_scratch(step, matmuls_at, compiler_options) if _platform(step) == "gpu" else (0, {})
+    walk = _backward_walk(kept, uses, len(jax.tree.leaves(plan.abstract.params)), together, apply, partials)
+    backward = walk + activations - sum(r.total for r in kept) + running_sum + transient + gathered.loop + workspace
     if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
         backward += cfg.train.microbatches * sum(residuals.nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step)))
     if cfg.train.microbatches > 1:  # the gathers and casts leave the accumulation loop: every copy held through it
-        backward += gathered.rest + gathered.layers + sum(casts)
-        update += gathered.copies
+        if _platform(step) == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
+            backward += gathered.layers + sum(casts)
+        else:
+            backward += gathered.rest + gathered.layers + sum(casts)
+            update += gathered.copies
         nparams = len(jax.tree.leaves(plan.abstract.params))  # the body's own microbatch of what the backward reads
         backward += sum(residuals.nbytes(b) for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step))) if nparams + j in read)
     one_batch = aot.shard_bytes(batch)

@@ -310,14 +310,15 @@ def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
 
 
 def sweep(
-    cfg: Config, topo, batch_sizes, overlap: bool = True, with_reference: bool = True
+    cfg: Config, topo, batch_sizes, overlap: bool = True, with_reference: bool = True, mesh=None
 ) -> list[tuple[int, list[Cost]]]:
     """:func:`compare` at each global batch size; `with_reference`: each with the config's step
-    at that size compiled and predicted (:func:`reference`), else model figures only."""
+    at that size compiled and predicted (:func:`reference`), else model figures only. `mesh`:
+    the config's mesh built already (a compile target's), else this host's."""
     out = []
     for b in batch_sizes:
         sized = _apply(cfg, [f"train.batch_size={b}"])
-        step = parts.abstract_step(sized)
+        step = parts.abstract_step(sized, mesh)
         out.append((b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0)))
     return out
 

@@ -119,18 +119,20 @@ def _analytic(cfg: Config, step: parts.AbstractStep):
     return memory.analytic(cfg, step), None
 
 
-def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None) -> Report:
+def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None, capacity=None) -> Report:
     """Compile the config's train step on abstract inputs (nothing is allocated) and set XLA's
     figures beside the analytic model and the device capacity. `step`: the abstract step when
     the caller has built it already (a run's pre-flight), with `analytic` its breakdown when
     known (:func:`meshpar.plan.memory.analytic`); the compiled step is kept in
-    ``Report.compiled`` for the run to use instead of compiling it again."""
+    ``Report.compiled`` for the run to use instead of compiling it again. `capacity`: the
+    device's (:class:`meshpar.plan.cost.Capacity`) when the step's devices cannot say (a
+    compile target's: the machine's, :func:`meshpar.plan.cost.machine_capacity`)."""
     step = step or parts.abstract_step(cfg)
     analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)  # None: out of scope
     compiled = step.lower().compile()
     return Report(
         mesh_lib.describe(step.mesh), f"{step.mesh.size} {step.mesh.devices.flat[0].platform}",
-        analytic, missing, aot.memory(compiled), cost.device_capacity(cfg, step.mesh),
+        analytic, missing, aot.memory(compiled), capacity or cost.device_capacity(cfg, step.mesh),
         tuple(programs_lib.peaks(cfg, step, compiled)), compiled,
     )  # fmt: skip
 

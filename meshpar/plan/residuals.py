@@ -247,7 +247,8 @@ def _widening_casts(level: _Level, nargs: int) -> int:
     return total + sum(_widening_casts(loop, nargs) for loop in level.loops.values())
 
 
-def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None, casts: list | None = None) -> list[Residual]:
+def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None, casts: list | None = None,
+                   matmuls_at: dict | None = None) -> list[Residual]:  # fmt: skip
     """The residuals of ``jax.vjp(fn, *args)`` that XLA keeps for the backward pass (see the
     module docstring); `args` are abstract. Residuals that are the arguments themselves are left
     out; `read` (when given) receives their indices among the flattened `args`. `uses` (when
@@ -256,7 +257,10 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     backward produces its gradient), the bytes of that op's largest output (the cotangent it is
     differentiated with; None for a loop: one iteration's residuals') and the argument's bytes.
     `casts` (when given) receives the bytes of the casts of the first argument's leaves (the
-    parameters) to a wider dtype that are not kept as residuals (:func:`_widening_casts`)."""
+    parameters) to a wider dtype that are not kept as residuals (:func:`_widening_casts`).
+    `matmuls_at` (when given) receives, for each place in program order that runs matmuls,
+    ``(a loop, their equations)``: a matmul's own, or every matmul in a loop's body (a loop is
+    one place)."""
     leaves, tree = jax.tree.flatten(args)
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(lambda *ys: fn(*jax.tree.unflatten(tree, ys)), *xs), return_shape=True
@@ -271,6 +275,13 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     top.finish()
     if casts is not None:
         casts.append(_widening_casts(top, len(jax.tree.leaves(args[0]))))
+    if matmuls_at is not None:
+        for eqn, _, pos in top.graph.producer.values():
+            if jaxprs.is_matmul(eqn):
+                matmuls_at[pos] = (False, [eqn])
+            elif jaxprs.is_scan(eqn):
+                body = jaxprs.scan_parts(eqn)[0]
+                matmuls_at[pos] = (True, [e for j in jaxprs.nested(body) for e in j.eqns if jaxprs.is_matmul(e)])
     if uses is not None:
         g = top.graph
         for eqn, ins, pos in g.producer.values():
@@ -316,3 +327,4 @@ def backward_slices(fn, *args) -> int:
                 reads[key][1] |= jaxprs.is_matmul(e)
         most = max(most, sum(nbytes(k[1].aval) for k, (n, mm) in reads.items() if mm or n > 1))
     return most
+

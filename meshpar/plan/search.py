@@ -81,7 +81,7 @@ from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
 from meshpar.models import MODELS
-from meshpar.plan import candidates, cost, memory, timing
+from meshpar.plan import candidates, cost, gpu_target, memory, timing
 from meshpar.plan.report import fmt_bytes
 
 MODEL_AXIS = candidates.MODEL_AXIS
@@ -313,6 +313,8 @@ class Result:
     illegal: dict[str, int]  # by the config key it fails on
     compiled: int
     seconds: float
+    compiled_for: str = "cpu"  # what the best K were compiled for (a GPU machine's own compiler, or this host)
+    note: str = ""  # why a GPU machine's best K were compiled for this host instead
 
     @property
     def legal(self) -> int:
@@ -349,7 +351,9 @@ def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) 
 def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
     """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
     the `top` best estimates and rank (see the module docstring). `progress(text)`: called as
-    it goes."""
+    it goes. On a GPU machine with XLA's GPU compiler installed the best estimates are compiled
+    for that GPU (:mod:`meshpar.plan.gpu_target`): the enumeration and the estimates read the
+    model on this host's devices (nothing compiled), the compiled ranking reads the GPU's program."""
     started = time.perf_counter()
     say = progress or (lambda text: None)
     try:
@@ -408,9 +412,14 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     if cap is None:  # nothing legal: the capacity of these devices, for the report
         cap = cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
+    target = gpu_target.target(topo, ((MODEL_AXIS, num_devices),))
+    compiled_for = target.compiled_for or "cpu"
     for i, row in enumerate(fitting[:top]):
         say(f"compiling {i + 1}/{min(top, len(fitting))}: {row.cfg.mesh_str} {row.cfg.layout_str}")
         t = time.perf_counter()
+        if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
+            on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
+            row.step = parts.abstract_step(row.cfg, on_target, spec)
         row.compiled = row.step.lower().compile()
         row.compile_s = time.perf_counter() - t
         row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
@@ -421,7 +430,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
     return Result(
         ranked, topo, cap, num_devices, len(options), len(options) - len(distinct), illegal, len(compiled),
-        time.perf_counter() - started,
+        time.perf_counter() - started, compiled_for, target.note,
     )  # fmt: skip
 
 
@@ -453,7 +462,8 @@ def to_json(result: Result) -> dict:
             "predicted": r.predicted and timing.to_json(r.predicted), "compile_s": r.compile_s,
         })  # fmt: skip
     return {
-        "topology": result.topology.name, "num_devices": result.num_devices, "enumerated": result.enumerated,
+        "topology": result.topology.name, "compiled_for": result.compiled_for, "num_devices": result.num_devices,
+        "enumerated": result.enumerated,
         "duplicates": result.duplicates, "illegal": result.illegal, "legal": result.legal, "fitting": result.fitting,
         "compiled": result.compiled, "seconds": result.seconds, "usable_bytes": result.capacity.usable_bytes,
         "capacity_source": result.capacity.source, "rows": rows,

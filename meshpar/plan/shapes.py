@@ -5,12 +5,27 @@ trace the model at these shapes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
+import numpy as np
 from flax import nnx
 
 from meshpar import jaxprs, parts
 from meshpar import layout as layout_lib
 from meshpar.config import Config
+
+
+@contextlib.contextmanager
+def on_target(step: parts.AbstractStep) -> Iterator[None]:
+    """Within this block a model traced at one device's shapes makes the choices it makes for the
+    step's target (:func:`meshpar.layout.platform`: the layer loop's form, the attention kernel),
+    not this host's: one device of the step's mesh is active, under a layout that splits
+    nothing, so every constraint is a relabelling and the shapes stay one device's."""
+    one = jax.sharding.Mesh(np.asarray(step.mesh.devices.flat[:1]), ("device",))
+    with layout_lib.activate(layout_lib.Layout.create("", {"device": 1}), one):
+        yield
 
 
 def act_shardings(params: nnx.State, layout: layout_lib.Layout, mesh) -> list:

@@ -4,6 +4,8 @@ next to the other ways of freeing device memory (``--topology``, ``--offload-swe
 
 from __future__ import annotations
 
+from meshpar import throughput
+from meshpar.models import MODELS
 from meshpar.plan import offload_cost
 from meshpar.plan.report import fmt_bytes
 
@@ -15,6 +17,35 @@ def fmt_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} µs"
+
+
+def model_rates(cfg, step, step_time, topology) -> dict:
+    """What the predicted step means for the model, as a run reports it (:mod:`meshpar.throughput`):
+    ``model_flops`` (the model's own FLOPs per device per step, the count MFU uses — not the
+    compiled program's, which adds recomputation), ``tokens_per_s`` over every device, and ``mfu``
+    against the machine's dense peak for the compute dtype (None without a peak)."""
+    family = MODELS[cfg.model.name]
+    batch = cfg.train.batch_size
+    per_example = family.flops_per_example(cfg.model, step.element_spec)
+    tokens = family.tokens_per_example(cfg.model, step.element_spec)
+    model_flops = per_example * batch / step.mesh.size
+    seconds = step_time.total_s
+    peak = topology.peak(throughput.compute_dtype(cfg.model))
+    return {
+        "model_flops": model_flops,
+        "tokens_per_s": tokens * batch / seconds if seconds else None,
+        "mfu": model_flops / seconds / peak if seconds and peak else None,
+    }
+
+
+def rates_line(rates: dict) -> str:
+    """One line: the predicted step's model FLOPs per device, tokens/s and MFU."""
+    tokens = rates["tokens_per_s"]
+    mfu = rates["mfu"]
+    return (
+        f"predicted: {rates['model_flops']:.4g} model FLOP per device per step, "
+        f"{'-' if tokens is None else f'{tokens:,.0f}'} tokens/s, MFU {'-' if mfu is None else f'{mfu:.1%}'}"
+    )
 
 
 def step_table(step_time, topology):

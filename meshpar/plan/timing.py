@@ -6,15 +6,28 @@ So the FLOPs are counted here from the optimised HLO text (``compiled.as_text()`
 own rules (``HloCostAnalysis``): a dot is 2 × output elements × contracted elements, a
 convolution 2 × output elements × kernel elements per output feature, an elementwise op one
 FLOP per output element (transcendentals are not FLOPs), a reduce one application of its
-reducer per input element it folds, an all-reduce one per element; fusions, calls and async
-computations count their bodies. A ``while`` counts its body and condition times its trip
-count (``known_trip_count`` from its backend config, else the constant its condition compares
-the induction variable against), nested loops multiplied through. Without loops the total
-equals ``cost_analysis()``'s (a test keeps it so).
+reducer per input element it folds, an all-reduce one per element; fusions (Triton GEMM
+fusions included: their dot and its fused prologue and epilogue), calls and async computations
+count their bodies. A ``while`` counts its body and condition times its trip count
+(``known_trip_count`` from its backend config, else the constant its condition compares the
+induction variable against), nested loops multiplied through. Without loops the total equals
+``cost_analysis()``'s on CPU (a test keeps it so). :func:`matmul_flops` is the part in matrix
+products alone, the work a model's FLOP formula counts.
+
+GPU library calls are custom-calls whose work XLA's text states only in their shapes and
+``backend_config``: a cuBLAS GEMM (``__cublas$gemm``, ``__cublas$lt$matmul``, its ``$f8``
+form) is a dot with the dimension numbers of its ``gemm_backend_config``; a cuDNN convolution
+(``__cudnn$conv…``) is the forward convolution its window and ``dim_labels`` describe, which
+each of its three passes costs; cuDNN fused attention (``__cudnn$fmha…``) is counted as
+FlashAttention counts it: forward 2 × scores × (d_qk + d_v) (QKᵀ and PV; scores = batch ×
+heads × q_len × kv_len), backward 2 × scores × (3·d_qk + 2·d_v) (QKᵀ recomputed, dP, dV, dQ,
+dK: 2.5× the forward at equal head dims), halved under a causal mask (the kernel skips the tiles
+above the diagonal) or kept to window / kv_len of it under a sliding window.
 
 **Collectives.** Every all-reduce, all-gather, reduce-scatter, all-to-all and
-collective-permute in the HLO (sync, ``-start`` and ``async-start`` forms; ``-done`` halves are
-not counted again), times the trip counts of the loops around it. Its bytes per device come
+collective-permute in the HLO (sync, ``-start``, and the wrapped op of a generic
+``async-start``/``-update``/``-done`` chain; the ``-update`` and ``-done`` halves are not
+counted again), times the trip counts of the loops around it. Its bytes per device come
 from its operands' shapes (all-gather: the gathered result), its devices from
 ``replica_groups`` (explicit ``{{0,1},...}``, iota ``[4,2]<=[8]``, or mesh-axes
 ``mesh[...] {...}`` form) or ``source_target_pairs``, mapped onto the mesh by partition index
@@ -23,34 +36,45 @@ mesh axes a group spans. It runs on the link of that axis (``Topology.axis_link`
 ring collective (:func:`meshpar.plan.cost.collective_seconds`: bytes × ring factor / bandwidth +
 latency × steps).
 
-**Compute.** Each op the program runs (a fusion, a dot, a copy; loop bodies once per trip)
-takes the longer of its FLOPs at the device's peak for the compute dtype × the topology's
-efficiency, and its bytes (operands read + result written) at the device's memory bandwidth —
-a roofline per op, summed. The FLOP bound alone (``flops_s``) is what a plain FLOPs / peak model
-gives; it undercounts every step whose ops are small or elementwise (optimizer updates,
+**Compute.** Each op the program runs (a fusion, a library call, a copy; loop bodies once per
+trip) takes the longer of its FLOPs at the device's peak for the compute dtype × the topology's
+efficiency, and its bytes at the device's memory bandwidth — a roofline per op, summed. The
+bytes are what the op reads and writes in device memory: of each operand, what it reads of it
+— a fusion what its body reads of that parameter (a ``dynamic-slice``, ``slice`` or ``gather``
+of it: that part, through bitcasts, reshapes, transposes and converts; a nested fusion: what
+that one reads), so that a rolled layer loop reading one layer's slice of stacked weights per
+trip moves that layer, not the stack — and of its result what it writes: an in-place
+``dynamic-update-slice`` or ``scatter`` (a fusion's root, through tuples and bitcasts) writes
+its update, neither reading nor rewriting the buffer it updates; a GPU library call's result
+less the scratch workspace (a trailing ``s8``/``u8`` vector) it also returns. A bare slice or
+update is priced the same way. The FLOP bound alone (``flops_s``) is what a plain FLOPs / peak
+model gives; it undercounts every step whose ops are small or elementwise (optimizer updates,
 norms, softmax, thin matmuls), which are bound by memory on GPUs and CPUs alike. Simulated CPU
 devices share the host's memory and caches: each gets a share of the host's rates, faster
 for ops whose data fits in the host's last-level cache (:func:`memory`). Per-op launch costs
-are not modelled.
+are not modelled. :func:`op_costs` lists every op with its FLOPs and bytes.
 
-**What the model takes from the backend.** The HLO read is the one compiled for the devices in
-hand; XLA's CPU backend may pick other collectives than a GPU compile of the same program
-(an all-reduce where GPU would reduce-scatter then all-gather, or none of the GPU's async
-forms). The model prices what the compiled program does, so a prediction for a GPU topology
-from a CPU compile prices the CPU's choice: for a gradient all-reduce that is the same bytes
-on the wire as GPU's reduce-scatter + all-gather pair (2(n−1)/n either way), so the totals
-agree even where the op names differ. Its fusion choices differ too (the bytes term sees
-CPU's fusions). Collectives are assumed not to overlap compute (true of XLA:CPU, which runs
-them in program order; on GPU async collectives may hide part of them, so the figure is an
-upper bound there). The feed overlaps compute when ``feed.prefetch`` ≥ 1 (a background
-thread places the next batch while the step runs): only the part of the feed longer than the
-compute is exposed; with prefetch 0 the whole feed is.
+**What the model takes from the backend.** The HLO read is the one compiled for the target: a
+GPU's program from XLA's GPU compiler (deviceless on a host without one,
+:mod:`meshpar.plan.gpu_target`), or XLA:CPU's where no GPU compiler is installed. A GPU program
+is priced as it is: its GEMMs as Triton fusions (XLA's default) or cuBLAS calls
+(``--xla_gpu_enable_triton_gemm=false``) count the same matrix FLOPs; its collectives are its
+own (reduce-scatter + all-gather pairs, async forms); its fusions set the bytes. A CPU stand-in
+prices the CPU's choices: for a gradient all-reduce that is the same bytes on the wire as a
+GPU's reduce-scatter + all-gather pair (2(n−1)/n either way), so the totals agree even where
+the op names differ, but its fusions (and so its bytes) are the CPU's. The program tells what
+XLA chose, not how long its kernels take: each op is priced at the roofline, so kernels below
+their roofline (small GEMMs, Triton's or cuBLAS's choice of tiles) are not modelled.
+Collectives are assumed not to overlap compute (true of XLA:CPU, which runs them in program
+order; on GPU async collectives may hide part of them, so the figure is an upper bound there).
+The feed overlaps compute when ``feed.prefetch`` ≥ 1 (a background thread places the next
+batch while the step runs): only the part of the feed longer than the compute is exposed; with
+prefetch 0 the whole feed is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import pathlib
@@ -61,14 +85,7 @@ import numpy as np
 from meshpar import throughput
 from meshpar.plan import cost, hlo
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-# Opcodes XLA's cost analysis counts as one FLOP per output element.
-_ELEMENTWISE = frozenset(
-    "abs add and ceil clamp compare complex convert count-leading-zeros divide floor imag is-finite maximum minimum "
-    "multiply negate not or popcnt real reduce-precision remainder round-nearest-afz round-nearest-even select "
-    "shift-left shift-right-arithmetic shift-right-logical sign stochastic-convert subtract xor".split()
-)
+KINDS = hlo.COLLECTIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,78 +119,23 @@ class StepTime:
 # FLOPs
 
 
-def _op_flops(module: hlo.Module, computation: str, op: hlo.Op, flops) -> float:
-    code = op.opcode
-    if code in _ELEMENTWISE:
-        return hlo.elements(op.shape)
-    if code == "dot":
-        lhs = hlo.arrays(module.operand_shape(computation, op, 0))
-        dims = lhs[0][1] if lhs else ()
-        width = math.prod(dims[d] for d in hlo.ints(hlo.attr(op, "lhs_contracting_dims")) if d < len(dims))
-        return 2.0 * hlo.elements(op.shape) * width
-    if code == "convolution":
-        kernel = hlo.arrays(module.operand_shape(computation, op, 1))
-        labels = re.search(r"dim_labels=\w+_(\w+)->", op.attrs)
-        if not kernel or not labels or "o" not in labels.group(1):
-            return 0.0
-        dims = kernel[0][1]
-        per_output = math.prod(dims) / dims[labels.group(1).index("o")]
-        groups = hlo.ints(hlo.attr(op, "batch_group_count")) or [1]
-        return 2.0 * hlo.elements(op.shape) * per_output / groups[0]
-    called = hlo.called(op)
-    if code in ("reduce", "reduce-window", "map", "scatter", "sort", "select-and-scatter") and not called:
-        return 0.0
-    if code == "reduce":
-        folded = hlo.elements(module.operand_shape(computation, op, 0)) - hlo.elements(op.shape, first=True)
-        return folded * flops(called[0])
-    if code == "reduce-window":
-        window = re.search(r"size=([\dx]+)", op.attrs)
-        size = math.prod(int(x) for x in window.group(1).split("x")) if window else 1
-        return (size - 1) * hlo.elements(op.shape, first=True) * flops(called[0])
-    if code == "map":
-        return hlo.elements(op.shape) * flops(called[0])
-    if code == "scatter":
-        n = (len(op.operands) - 1) // 2
-        return hlo.elements(module.operand_shape(computation, op, n + 1)) * flops(called[0])
-    if code == "sort":
-        n = hlo.elements(module.operand_shape(computation, op, 0))
-        return n * math.ceil(math.log2(n)) if n > 1 else 0.0
-    if code in ("all-reduce", "all-reduce-start"):
-        return hlo.elements(op.shape)
-    if code == "fusion" and "kind=kCustom" in op.attrs and called:
-        # XLA prices a custom fusion holding a gather or scatter as that op alone.
-        for inner in module.computations.get(called[0], []):
-            if inner.opcode == "gather":
-                return 0.0
-            if inner.opcode == "scatter":
-                return _op_flops(module, called[0], inner, flops)
-    if code == "while":
-        return hlo.trip_count(module, op) * sum(flops(c) for c in called)
-    if code == "conditional":
-        return max((flops(c) for c in called), default=0.0)
-    if code in ("fusion", "call", "async-start"):
-        return sum(flops(c) for c in called)
-    return 0.0
-
-
-def _flops_of(module: hlo.Module):
-    """computation name → its FLOPs, loops multiplied (memoised per module)."""
-
-    @functools.cache
-    def flops(computation: str) -> float:
-        return sum(_op_flops(module, computation, op, flops) for op in module.computations.get(computation, []))
-
-    return flops
-
-
 def _module_flops(module: hlo.Module) -> float:
-    return _flops_of(module)(module.entry)
+    return hlo.flops_of(module)(module.entry)
 
 
 def hlo_flops(compiled) -> float:
     """FLOPs per device of a compiled program (or its HLO text), counted as XLA's cost analysis
-    counts them but with every ``while`` body multiplied by its trip count."""
+    counts them but with every ``while`` body multiplied by its trip count, and GPU library
+    calls (cuBLAS GEMMs, cuDNN attention and convolutions) from their shapes and configs."""
     return _module_flops(hlo.parse(hlo.text(compiled)))
+
+
+def matmul_flops(compiled) -> float:
+    """The part of :func:`hlo_flops` in matrix products (dots, GEMM and convolution calls, fused
+    attention): what a model's FLOP formula (6·N per token…) counts, without the elementwise
+    ops, norms and optimizer updates that XLA also counts."""
+    module = hlo.parse(hlo.text(compiled))
+    return hlo.flops_of(module, matmuls=True)(module.entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,8 +206,7 @@ def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
 
 
 def _kind(opcode: str) -> str | None:
-    base = opcode.removesuffix("-start")
-    return base if base in KINDS else None
+    return hlo.collective_kind(opcode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +247,9 @@ def _found(module: hlo.Module, computation: str, op: hlo.Op, times: int, mesh_sh
     kind = _kind(op.opcode)
     if not kind:
         return None
-    size = sum(hlo.shape_bytes(module.operand_shape(computation, op, i)) for i in range(len(op.operands))) or hlo.shape_bytes(op.shape)
+    size = sum(
+        hlo.shape_bytes(module.operand_shape(computation, op, i)) for i in range(len(op.operands))
+    ) or hlo.shape_bytes(op.shape)
     groups = _groups(op, math.prod(mesh_shape.values()))
     n = max(len(g) for g in groups)
     if kind == "all-gather":
@@ -299,10 +262,111 @@ def _find(module: hlo.Module, mesh_shape: dict[str, int]) -> list[_Found]:
     return [f for f in found if f is not None]
 
 
-def _op_bytes(module: hlo.Module, computation: str, op: hlo.Op) -> int:
-    """Bytes an op reads and writes in device memory: its operands and its result (a fusion's
-    intermediates stay in registers and caches)."""
-    return hlo.shape_bytes(op.shape) + sum(hlo.shape_bytes(module.operand_shape(computation, op, i)) for i in range(len(op.operands)))
+# Ops whose result holds exactly the elements of their operand (a fusion reads through them).
+_VIEWS = frozenset({"bitcast", "reshape", "transpose", "copy", "convert"})
+# Ops that read only part of their first operand: as many of its elements as their result has.
+_PARTIAL = frozenset({"dynamic-slice", "slice", "gather"})
+# Ops that update their first operand in place, writing only their update.
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": -1}  # opcode → the operand that is written (-1: last)
+
+
+def _in_place(module: hlo.Module, computation: str) -> set[str]:
+    """The in-place updates (dynamic-update-slice, scatter) a computation's root is made of,
+    through tuples and bitcasts: the buffer they update is the result's, neither read nor
+    rewritten whole."""
+    out, todo = set(), [module.root(computation)]
+    while todo:
+        op = todo.pop()
+        if op is None:
+            continue
+        if op.opcode in _IN_PLACE:
+            out.add(op.name)
+        elif op.opcode in ("tuple", "bitcast"):
+            todo += [module.ops[computation].get(name) for name in op.operands]
+    return out
+
+
+def _read_elements(module: hlo.Module, computation: str, name: str, total: int, updated: set[str]) -> float:
+    """Elements of the value `name` (of `total` elements) that its users in `computation` read:
+    a slice, dynamic-slice or gather reads what it returns, an in-place update nothing of the
+    buffer it updates, a nested fusion what its body reads of that parameter; bitcasts,
+    reshapes, transposes, copies and converts pass the question on to their own users. Any
+    other user reads all of it."""
+    read = 0.0
+    for user, i in module.users[computation].get(name, []):
+        if user.opcode in _PARTIAL and i == 0:
+            read += hlo.elements(user.shape, first=True)
+        elif user.name in updated and i == 0:
+            continue
+        elif user.opcode in _VIEWS:
+            read += _read_elements(module, computation, user.name, total, updated)
+        elif user.opcode == "fusion" and hlo.called(user):
+            read += _parameter_reads(module, hlo.called(user)[0]).get(i, total)
+        else:
+            return total
+        if read >= total:
+            return total
+    return read
+
+
+def _parameter_reads(module: hlo.Module, computation: str) -> dict[int, float]:
+    """Parameter number → elements of it a fused computation reads (memoised per module)."""
+    cache = module.memo.setdefault("parameter_reads", {})
+    if computation not in cache:
+        updated = _in_place(module, computation)
+        cache[computation] = {
+            number: _read_elements(module, computation, p.name, hlo.elements(p.shape), updated)
+            for number, p in module.parameters(computation).items()
+        }
+    return cache[computation]
+
+
+def _written(module: hlo.Module, computation: str, op: hlo.Op | None) -> float:
+    """Bytes an op writes: an in-place update its update, a tuple its elements, a GPU library
+    call its results less the scratch workspace (a trailing ``s8``/``u8`` vector) it returns."""
+    if op is None:
+        return 0.0
+    if op.opcode in _IN_PLACE:
+        written = _IN_PLACE[op.opcode] % len(op.operands)
+        return hlo.shape_bytes(module.operand_shape(computation, op, written))
+    if op.opcode in ("tuple", "bitcast"):
+        return sum(_written(module, computation, module.ops[computation].get(n)) for n in set(op.operands))
+    leaves = hlo.leaves(op.shape)
+    if op.opcode == "custom-call" and len(leaves) > 1 and re.fullmatch(r"[su]8\[\d*\].*", leaves[-1]):
+        leaves = leaves[:-1]
+    return sum(hlo.shape_bytes(leaf) for leaf in leaves)
+
+
+def _op_bytes(module: hlo.Module, computation: str, op: hlo.Op) -> float:
+    """Bytes an op reads and writes in device memory: what it reads of each operand and what it
+    writes (a fusion's intermediates stay in registers and caches). A fusion reads of each
+    parameter what its body does (a dynamic-slice of a stacked weight: that slice, not the
+    stack) and writes its root (an in-place dynamic-update-slice: the update alone); a bare
+    slice or update is priced the same way."""
+    op = hlo.unwrap(op)
+    called = hlo.called(op)
+    if op.opcode == "fusion" and called:
+        reads = _parameter_reads(module, called[0])
+        written = _written(module, called[0], module.root(called[0]))
+    else:
+        reads = {i: hlo.elements(module.operand_shape(computation, op, i)) for i in range(len(op.operands))}
+        if op.opcode in _PARTIAL and reads:
+            reads[0] = min(reads[0], hlo.elements(op.shape, first=True))
+        elif op.opcode in _IN_PLACE and reads:
+            reads[0] = 0
+        written = _written(module, computation, op)
+    seen, read = set(), 0.0
+    for i, name in enumerate(op.operands):
+        if name in seen:
+            continue
+        seen.add(name)
+        shape = module.operand_shape(computation, op, i)
+        leaves = hlo.arrays(shape)
+        if len(leaves) == 1:
+            read += reads.get(i, 0) * hlo.dtype_bytes(shape)
+        else:  # a tuple operand: read whole
+            read += hlo.shape_bytes(shape)
+    return read + written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,21 +384,46 @@ class _Memory:
         return size / self.rate if self.rate else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op the program runs as a unit (a fusion, a library call, a copy…), one execution."""
+
+    computation: str
+    name: str
+    opcode: str
+    kind: str  # a custom-call's target, a fusion's backend kind ("__triton_gemm"…), else ""
+    executions: int  # trip counts of the loops around it multiplied
+    flops: float
+    bytes: float  # read + written in device memory
+
+
+def _op_costs(module: hlo.Module) -> list[OpCost]:
+    flops_of = hlo.flops_of(module)
+    out = []
+    for computation, op, times in _schedule(module):
+        if _kind(op.opcode):
+            continue
+        kind = hlo.target(hlo.unwrap(op)) or hlo.fusion_kind(op)
+        flops, size = hlo.op_flops(module, computation, op, flops_of), _op_bytes(module, computation, op)
+        out.append(OpCost(computation, op.name, op.opcode, kind, times, flops, size))
+    return out
+
+
+def op_costs(compiled) -> list[OpCost]:
+    """FLOPs and bytes of every non-collective op the compiled program (or its HLO text) runs."""
+    return _op_costs(hlo.parse(hlo.text(compiled)))
+
+
 def _roofline(module: hlo.Module, flop_rate: float, memory: _Memory) -> tuple[float, float, float, float]:
     """(seconds, flops, bytes, seconds of the bytes alone) of the program's non-collective ops:
     each op takes the longer of its FLOPs at `flop_rate` and its bytes at `memory`'s rate."""
     seconds = flops_total = bytes_total = memory_s = 0.0
-    flops_of = _flops_of(module)
-    for computation, op, times in _schedule(module):
-        if _kind(op.opcode):
-            continue
-        flops = _op_flops(module, computation, op, flops_of)
-        size = _op_bytes(module, computation, op)
-        moving = memory.seconds(size)
-        flops_total += times * flops
-        bytes_total += times * size
-        memory_s += times * moving
-        seconds += times * max(flops / flop_rate, moving)
+    for op in _op_costs(module):
+        moving = memory.seconds(op.bytes)
+        flops_total += op.executions * op.flops
+        bytes_total += op.executions * op.bytes
+        memory_s += op.executions * moving
+        seconds += op.executions * max(op.flops / flop_rate, moving)
     return seconds, flops_total, bytes_total, memory_s
 
 
@@ -417,5 +506,3 @@ def to_json(t: StepTime) -> dict:
     out = dataclasses.asdict(t)
     out["collectives"] = [dataclasses.asdict(c) for c in t.collectives]
     return json.loads(json.dumps(out))
-
-

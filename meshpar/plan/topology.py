@@ -34,8 +34,9 @@ KEY = "--topology"
 GIB = 1 << 30
 # Kinds of device↔device link: NVLink behind NVSwitch (any pair at full bandwidth), PCIe peer
 # to peer (full bandwidth under one switch, the switches' uplinks shared beyond it), or staged
-# through host memory (no peer-to-peer: every copy crosses both devices' PCIe links).
-LINK_KINDS = ("nvlink", "pcie", "host", "memcpy")
+# through host memory (no peer-to-peer: every copy crosses both devices' PCIe links); between
+# hosts, the network (``node_link``).
+LINK_KINDS = ("nvlink", "pcie", "host", "memcpy", "network")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,71 @@ class Link:
     bandwidth: float  # bytes/s, one direction, effective (raw × the efficiency its file states)
     latency: float = 0.0  # s per transfer / per collective step
     kind: str = "pcie"  # one of LINK_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What XLA's GPU compiler needs to know of one GPU to compile for it (its target
+    description, :mod:`meshpar.plan.gpu_target`), beside the machine's memory size and bandwidth:
+    datasheet and CUDA programming-guide facts, each with its source in the topology's file."""
+
+    name: str  # as CUDA names the device, e.g. "NVIDIA H100 80GB HBM3"
+    compute_capability: tuple[int, int]  # (major, minor), e.g. (9, 0)
+    sm_count: int
+    clock_ghz: float  # SM boost clock
+    l2_cache_bytes: int
+    shared_memory_per_sm: int  # bytes
+    shared_memory_per_block: int  # bytes a block may opt in to
+    registers_per_sm: int  # 32-bit registers
+    registers_per_block: int
+    threads_per_sm: int  # resident threads per SM
+    fp32_lanes_per_sm: int  # FP32 CUDA cores per SM
+    cuda_runtime: str  # CUDA runtime the compile assumes, "12.8.0"
+    cudnn: str  # cuDNN the compile assumes, "9.8.0"
+
+
+GPU_KEYS = {"name": str, "compute_capability": str, "sm_count": int, "clock_ghz": float, "l2_cache_mib": float,
+            "shared_memory_per_sm_kib": int, "shared_memory_per_block_kib": int, "registers_per_sm": int,
+            "registers_per_block": int, "threads_per_sm": int, "fp32_lanes_per_sm": int, "cuda_runtime": str,
+            "cudnn": str}  # fmt: skip
+
+
+def _version(text: str, parts: int, where: str) -> str:
+    """A dotted version of at most `parts` numbers, padded with zeros ("12.8" → "12.8.0")."""
+    numbers = text.split(".")
+    if not 1 <= len(numbers) <= parts or not all(n.isdigit() for n in numbers):
+        raise ConfigError(KEY, f"{where}: expected a version such as {'.'.join(['9', '0', '0'][:parts])}, got {text!r}")
+    return ".".join(numbers + ["0"] * (parts - len(numbers)))
+
+
+def gpu_spec(spec, where: str) -> GpuSpec:
+    """A topology file's ``gpu:`` mapping as a GpuSpec (every key of GPU_KEYS, of its type)."""
+    if not isinstance(spec, dict):
+        raise ConfigError(KEY, f"{where}: expected a mapping with {', '.join(GPU_KEYS)}")
+    unknown = sorted(set(spec) - set(GPU_KEYS))
+    if unknown:
+        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+    values = {}
+    for key, kind in GPU_KEYS.items():
+        value = spec.get(key)
+        if kind is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool) or value == "":
+                raise ConfigError(KEY, f"{where}.{key}: expected text, got {value!r}")
+            values[key] = str(value)
+        else:
+            values[key] = kind(_positive(spec, key, where))
+    major, minor = _version(values["compute_capability"], 2, f"{where}.compute_capability").split(".")
+    kib = 1 << 10
+    return GpuSpec(
+        name=values["name"], compute_capability=(int(major), int(minor)), sm_count=values["sm_count"],
+        clock_ghz=values["clock_ghz"], l2_cache_bytes=int(values["l2_cache_mib"] * (1 << 20)),
+        shared_memory_per_sm=values["shared_memory_per_sm_kib"] * kib,
+        shared_memory_per_block=values["shared_memory_per_block_kib"] * kib,
+        registers_per_sm=values["registers_per_sm"], registers_per_block=values["registers_per_block"],
+        threads_per_sm=values["threads_per_sm"], fp32_lanes_per_sm=values["fp32_lanes_per_sm"],
+        cuda_runtime=_version(values["cuda_runtime"], 3, f"{where}.cuda_runtime"),
+        cudnn=_version(values["cudnn"], 3, f"{where}.cudnn"),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +133,9 @@ class Topology:
     placement_overhead: tuple[float, float] = (0.0, 0.0)
     host_aliasing: bool = False  # devices wrap a 64-byte-aligned host buffer instead of copying it (CPU)
     source: str = ""  # where the figures came from (file, or "measured on this host")
+    hosts: int = 1  # machines (processes) the devices are spread over, num_devices / hosts each
+    node_link: Link | None = None  # one device's share of the network between hosts (hosts > 1)
+    gpu: GpuSpec | None = None  # an NVIDIA GPU's compile target (None: not a GPU, e.g. cpu-sim)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of one device for matmuls in `dtype`. ``float32`` is what XLA runs a float32
@@ -90,7 +159,8 @@ class Topology:
 
         Devices are numbered row-major over `mesh_shape` (as ``jax.make_mesh`` lays out a
         single host's devices). NVLink (NVSwitch) and memcpy links reach every pair at full
-        bandwidth. Over PCIe, a collective whose device groups each sit under one switch runs
+        bandwidth; a collective whose groups span several hosts runs at the network's
+        (``node_link``: each device's share of its host's NICs). Over PCIe, a collective whose device groups each sit under one switch runs
         at the peer bandwidth; one that crosses switches sends through their uplinks, which
         every crossing group of the collective shares (ring order: one crossing transfer per
         group and switch at a time), so each gets ``uplink / crossing groups``. Host-staged
@@ -103,11 +173,15 @@ class Topology:
         if math.prod(shape) > self.num_devices:
             raise ValueError(f"mesh {mesh_shape} has more devices than {self.name}'s {self.num_devices}")
         link = self.device_link
-        if link.kind in ("nvlink", "memcpy") or self.uplink is None:
-            return link
         ids = np.arange(math.prod(shape)).reshape(shape)
         moved = np.moveaxis(ids, [names.index(a) for a in axes], range(-len(axes), 0))
         groups = moved.reshape(-1, math.prod(mesh_shape[a] for a in axes))
+        if self.hosts > 1 and self.node_link is not None:
+            per_host = self.num_devices // self.hosts  # devices are numbered host by host
+            if any(len({int(d) // per_host for d in g}) > 1 for g in groups):
+                return self.node_link  # a ring that leaves a host runs at the network's rate
+        if link.kind in ("nvlink", "memcpy") or self.uplink is None:
+            return link
         worst = 0
         for switch in self.host_groups:
             inside = set(switch)
@@ -177,11 +251,16 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}: expected a mapping")
     known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
              "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
-             "placement_overhead_us"}  # fmt: skip
+             "placement_overhead_us", "hosts", "node_link", "gpu"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
     n = int(_positive(spec, "num_devices", where))
+    hosts = int(_positive(spec, "hosts", where)) if "hosts" in spec else 1
+    if n % hosts:
+        raise ConfigError(KEY, f"{where}.hosts: {hosts} hosts do not share {n} devices evenly")
+    if hosts > 1 and spec.get("node_link") is None:
+        raise ConfigError(KEY, f"{where}.node_link: {hosts} hosts need the link between them")
     peaks = spec.get("peak_tflops")
     if not isinstance(peaks, dict) or "float32" not in peaks:
         raise ConfigError(KEY, f"{where}.peak_tflops: expected a mapping by dtype that has float32")
@@ -204,7 +283,9 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         uplink=None if uplink is None else _link(uplink, f"{where}.uplink"),
         device_link=_link(spec.get("device_link"), f"{where}.device_link"),
         device_memory_bandwidth=_positive(spec, "device_memory_gbps", where) * 1e9,
-        relay_fanout=fanout, source=where,
+        relay_fanout=fanout, source=where, hosts=hosts,
+        node_link=_link(spec["node_link"], f"{where}.node_link") if hosts > 1 else None,
+        gpu=None if spec.get("gpu") is None else gpu_spec(spec["gpu"], f"{where}.gpu"),
         placement_overhead=tuple(float(overhead.get(m, 0.0)) * 1e-6 for m in ("direct", "routed")),
     )  # fmt: skip
 
