@@ -35,7 +35,7 @@ step compiled for each machine's GPUs by XLA's GPU compiler, deviceless
 in the compiled program (its GEMM custom calls counted) — against the analytic model for that
 platform and lowering (traced as the GPU program is: the layer loop's form, the attention
 kernel; each matmul's scratch read from XLA:GPU's lowering of it alone:
-:func:`meshpar.plan.memory.matmul_scratch`), step total against XLA's total. A mesh with more
+:func:`meshpar.plan.gemm.matmul_scratch`), step total against XLA's total. A mesh with more
 devices than the machine is "n/a"; the table's ✗ marks a miss. ``--gpu-ci``:
 GPU_CI, a few small configs on GPU_CI_TARGETS, both lowerings, XLA:GPU only (``--ci`` has the XLA:CPU
 rows), for CI with the extra installed.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from meshpar import aot, config, parts
-from meshpar.plan import gpu_target, memory, topology
+from meshpar.plan import gemm, gpu_target, memory, topology
 
 pytestmark = pytest.mark.gpu_target
 
@@ -72,9 +72,9 @@ def test_a_matmuls_scratch_is_its_gemms_own_buffers_under_each_lowering():
     rhs = jax.ShapeDtypeStruct((8192, 64), jnp.float32)
     eqn = jax.make_jaxpr(jnp.matmul)(lhs, rhs).jaxpr.eqns[0]
     result = 64 * 64 * 4
-    workspace, partials = memory._lone_matmul_scratch(device, (), eqn)
+    workspace, partials = gemm.lone_matmul_scratch(device, (), eqn)
     assert workspace == 0 and partials >= 2 * result and partials % result == 0  # whole results, one per slice
-    workspace, partials = memory._lone_matmul_scratch(device, (("xla_gpu_enable_triton_gemm", False),), eqn)
+    workspace, partials = gemm.lone_matmul_scratch(device, (("xla_gpu_enable_triton_gemm", False),), eqn)
     sharding = jax.sharding.SingleDeviceSharding(device)
     text = (
         jax.jit(jnp.matmul).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (lhs, rhs)))
@@ -94,6 +94,6 @@ def test_the_matmuls_scratch_is_counted_where_the_backward_runs_them(lowering, m
     xla = aot.memory(compiled)["total_bytes"]
     estimate = _step_total(memory.analytic(cfg, step, compiler_options=options))
     assert abs(estimate - xla) <= 0.10 * xla, (estimate, xla)
-    monkeypatch.setattr(memory, "matmul_scratch", lambda *args: (0, {}))
+    monkeypatch.setattr(gemm, "matmul_scratch", lambda *args: (0, {}))
     without = _step_total(memory.analytic(cfg, step, compiler_options=options))
     assert estimate > without and abs(without - xla) > 0.10 * xla, (without, xla)

@@ -10,7 +10,7 @@ import pytest
 
 from meshpar import aot, config, experiment, parts
 from meshpar.jax_compat import saved_residuals
-from meshpar.plan import memory, residuals
+from meshpar.plan import gemm, memory, residuals
 
 TINY_TRANSFORMER = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -317,9 +317,9 @@ CUBLAS_HLO = _lone_matmul_hlo(
 def test_a_gemms_scratch_is_what_it_writes_beside_its_result():
     # Triton's split-K: eight partial results, summed afterwards; cuBLAS: the workspace in its
     # result tuple (the operand's transposed copy around a lone matmul is not the GEMM's)
-    assert memory._gemm_scratch(SPLIT_K_HLO, 64 * 64) == (0, 8 * 64 * 64 * 4)
-    assert memory._gemm_scratch(CUBLAS_HLO, 64 * 64) == (4 * 2**20, 0)
-    assert memory._gemm_scratch(SPLIT_K_HLO.replace("f32[8,64,64]", "f32[64,64]"), 64 * 64) == (0, 0)  # no split
+    assert gemm.gemm_scratch(SPLIT_K_HLO, 64 * 64) == (0, 8 * 64 * 64 * 4)
+    assert gemm.gemm_scratch(CUBLAS_HLO, 64 * 64) == (4 * 2**20, 0)
+    assert gemm.gemm_scratch(SPLIT_K_HLO.replace("f32[8,64,64]", "f32[64,64]"), 64 * 64) == (0, 0)  # no split
 
 
 def test_host_offload_on_a_gpu_compiled_deviceless_is_out_of_scope_there_only():

@@ -164,7 +164,7 @@ moves bytes from these device categories to ``Breakdown.host``, per device, in p
   (a whole float32 result per slice of the contracted dim, the split chosen by XLA's tiling
   heuristics from the shapes and the GPU's core count), alive until their reduction runs: the
   backward walk adds, at each place in the forward's program order, the largest of one matmul
-  the backward runs there. The figures are XLA's own (:func:`matmul_scratch`): every matmul of
+  the backward runs there. The figures are XLA's own (:func:`meshpar.plan.gemm.matmul_scratch`): every matmul of
   the backward of each place (a layer loop: every matmul of its body, and the body's own under
   recomputation) compiled alone for the target device with the step's compiler options, the
   GEMM's buffers read from the compiled program;
@@ -209,11 +209,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import aot, jaxprs, parts, quiet, trainer
+from meshpar import aot, jaxprs, parts, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
 from meshpar.models import MODELS
-from meshpar.plan import cost, hlo, offload_plan, programs, residuals, shapes
+from meshpar.plan import cost, gemm, offload_plan, programs, residuals, shapes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
@@ -288,77 +288,6 @@ def saved_activations(
     return kept
 
 
-def matmul_scratch(
-    step: parts.AbstractStep, matmuls_at: dict, compiler_options: dict | None = None
-) -> tuple[int, dict[int, int]]:
-    """What XLA:GPU's lowering of the backward's matmuls holds beside their operands and outputs
-    (see the module docstring): (the largest workspace of any of them, alive through its call —
-    one call at a time, and calls run all through the backward; place in the forward's program
-    order -> the largest partial results of a matmul the backward runs there). The matmuls are
-    those of the backward of each matmul at a place (`matmuls_at`: :func:`saved_activations`; a
-    loop's, every matmul of its body, and the body's own under remat's recomputation), each
-    compiled alone for the step's device with `compiler_options` (and the ``XLA_FLAGS`` in
-    effect), its GEMM's own buffers read from the compiled program (:func:`_gemm_scratch`)."""
-    device = step.mesh.devices.flat[0]
-    options = tuple(sorted((k, v) for k, v in (compiler_options or {}).items() if not k.startswith("xla_dump")))
-    workspace, partials = 0, {}
-    for place, (loop, eqns) in matmuls_at.items():
-        found = [_lone_matmul_scratch(device, options, t) for e in eqns for t in _transposes(e)]
-        if loop:  # a loop's body: its own matmuls run again in the backward's iteration under remat
-            found += [_lone_matmul_scratch(device, options, e) for e in eqns]
-        workspace = max([workspace, *(w for w, _ in found)])
-        partials[place] = max((p for _, p in found), default=0)  # one matmul's at a time
-    return workspace, partials
-
-
-def _transposes(eqn) -> list:
-    """The matmuls of the backward of the matmul `eqn` (its operands' cotangents)."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-
-    def backward(*xs):
-        out, vjp = jax.vjp(lambda *ys: eqn.primitive.bind(*ys, **eqn.params), *xs)
-        return vjp(jnp.ones_like(out))
-
-    return [e for j in jaxprs.nested(jax.make_jaxpr(backward)(*avals)) for e in j.eqns
-            if jaxprs.is_matmul(e)][1:]  # fmt: skip
-
-
-_SCRATCH: dict = {}  # (device, options, primitive, operands, params) -> bytes
-
-
-def _lone_matmul_scratch(device, options: tuple, eqn) -> tuple[int, int]:
-    """(workspace, partial results): bytes the GEMM of the matmul `eqn`, compiled alone on abstract
-    operands for `device`, writes beside the matmul's result (:func:`_gemm_scratch`)."""
-    operands = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars)
-    key = (device, options, eqn.primitive, operands, repr(sorted(eqn.params.items())))
-    if key not in _SCRATCH:
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in operands]
-        lowered = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params)).lower(*args)
-        with quiet.native_stderr_filtered():
-            compiled = lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
-        _SCRATCH[key] = _gemm_scratch(compiled.as_text(), math.prod(eqn.outvars[0].aval.shape))
-    return _SCRATCH[key]
-
-
-def _gemm_scratch(text: str, result: int) -> tuple[int, int]:
-    """(workspace, partial results): bytes the GEMMs of a compiled program of one matmul write
-    beside its result (of `result` elements) — a cuBLAS call's workspace (the second element of
-    its result tuple), a Triton GEMM's split-K partial results (one result per slice of the
-    contracted dim, summed by a reduction afterwards). Operand copies that layout assignment
-    adds around a lone matmul are not counted: in the whole step, the producers write the layout
-    the GEMM reads."""
-    module = hlo.parse(text)
-    workspace = partials = 0
-    for op in module.computations[module.entry]:
-        library, fused = hlo.target(op).startswith("__cublas"), "gemm" in hlo.fusion_kind(op)
-        # every buffer a GEMM writes but the result itself (the model counts that as the matmul's output)
-        extra = sum(hlo.shape_bytes(leaf) for leaf in hlo.leaves(op.shape) if hlo.elements(leaf) != result)
-        workspace += extra if library else 0
-        partials += extra if fused else 0
-    return workspace, partials
-
-
 def out_of_scope(cfg: Config, platform: str) -> str | None:
     """Why the model gives no figure for `cfg` compiled for `platform` (``jax.default_backend()``
     names: ``cpu``, ``gpu``, ``tpu``), in one line; None when the config is in its scope."""
@@ -404,7 +333,7 @@ def _backward_walk(kept: list[residuals.Residual], uses: dict, nparams: int, tog
     in proportion to its traced bytes), None when each is applied as it is produced (then
     `apply`: parameter leaf -> what applying its gradient holds, the gradient included).
     `scratch`: place -> the partial results the backward's matmuls there hold beside their
-    operands and outputs (:func:`matmul_scratch`; XLA:GPU's Triton GEMMs)."""
+    operands and outputs (:func:`meshpar.plan.gemm.matmul_scratch`; XLA:GPU's Triton GEMMs)."""
     scratch = scratch or {}
     made: dict[int, int] = {}  # place -> bytes of the residuals made there
     cots: dict[int, int] = {}
@@ -595,7 +524,7 @@ def _gradients_together(cfg: Config, step: parts.AbstractStep) -> int | None:
 def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
     """The config's per-device memory by category (nothing allocated; the step is not compiled —
     for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
-    :func:`matmul_scratch`). `compiler_options`: those the step will be compiled with
+    :func:`meshpar.plan.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
     (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
     step = step or parts.abstract_step(cfg)
     plan, (_, batch, _) = step.plan, step.args
@@ -671,7 +600,7 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
         stacked = sum(stacks.values())
         replaced = {i for i in range(len(own)) if own[i].spec != act[i].spec}
         together, apply = None, {i: stacked if i in stacks else u[2] if i in replaced else 0 for i, u in uses.items()}
-    workspace, partials = matmul_scratch(step, matmuls_at, compiler_options) if _platform(step) == "gpu" else (0, {})
+    workspace, partials = gemm.matmul_scratch(step, matmuls_at, compiler_options) if _platform(step) == "gpu" else (0, {})
     walk = _backward_walk(kept, uses, len(jax.tree.leaves(plan.abstract.params)), together, apply, partials)
     backward = walk + activations - sum(r.total for r in kept) + running_sum + transient + gathered.loop + workspace
     if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
