@@ -15,7 +15,9 @@ The cache is trusted: a folder others can write to lets them run code in this pr
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -49,9 +51,16 @@ def configure(cfg) -> str | None:
     return path
 
 
-def turn_off() -> None:
-    """No persistent cache in this process from now on, whatever was configured.
-    Programs compiled for a compile-only target (XLA's GPU compiler on a host
-    without the GPU) are written to the cache but cannot be read back by such a client: every
-    later read would warn, and nothing would be gained."""
-    jax.config.update("jax_enable_compilation_cache", False)
+
+@contextlib.contextmanager
+def suspended(active: bool = True) -> Iterator[None]:
+    """No persistent cache within the block when `active` (as it was after). Programs compiled
+    for a compile-only target (XLA's GPU compiler on a host without the GPU) would be written to
+    the cache, but such a client cannot load them back: every later read would warn."""
+    was = jax.config.jax_enable_compilation_cache
+    if active:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)

@@ -104,3 +104,14 @@ def load_jax_plugins() -> None:
     from jax._src import xla_bridge  # private: see above
 
     xla_bridge._discover_and_register_pjrt_plugins()
+
+
+def step_cublas_workspace_exceeds_lone() -> bool:
+    """Whether this jaxlib's XLA:GPU gives the cuBLAS calls of a whole train step a larger
+    workspace than the same matmul compiled alone (jaxlib 0.12: 32 MiB in the step, 4 MiB
+    alone), which the memory model's probe (:mod:`meshpar.plan.gemm`) reads: its cuBLAS figure
+    is checked on jaxlib 0.10, where the two agree. Public API to move to: none (a property of
+    XLA's GPU compiler, not of jax's API)."""
+    import jax
+
+    return tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)

@@ -21,6 +21,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # meshpar before jax: its import quiets jax's CUDA plugin on a host without a GPU (meshpar.quiet).
 from meshpar import quiet  # noqa: E402
+from meshpar import compile_cache  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -47,6 +48,17 @@ def require_gpu_plan() -> None:
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu_target") is not None:
         require_gpu_plan()
+
+
+@pytest.fixture(autouse=True)
+def _no_cache_for_compile_only(request):
+    """A gpu_target test compiles for compile-only devices, whose programs jax's persistent cache
+    would store but could not load back: the session's cache is suspended for it, and only it."""
+    if request.node.get_closest_marker("gpu_target") is None:
+        yield
+        return
+    with compile_cache.suspended():
+        yield
 
 
 @pytest.fixture(scope="session")

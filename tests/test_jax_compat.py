@@ -147,3 +147,9 @@ def test_jax_internals_live_only_in_jax_compat():
                 if pattern.search(line) and not (what.startswith("a match") and path.parts[-2] == "tests"):
                     found.append(f"{path.relative_to(REPO)}:{n}: {what}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_cublas_workspace_rule_names_the_jaxlib_it_holds_for():
+    # jaxlib 0.10 (the main suite) is the one the memory model's cuBLAS figure is checked on.
+    newer = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+    assert jax_compat.step_cublas_workspace_exceeds_lone() == newer

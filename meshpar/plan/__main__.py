@@ -34,6 +34,7 @@ config or data mistake (an unknown ``--topology`` included), with one line ``con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -43,7 +44,7 @@ import sys
 from rich.console import Console
 
 from meshpar import config as config_lib
-from meshpar import errors, parts
+from meshpar import compile_cache, errors, parts
 from meshpar.config import ConfigError
 from meshpar.plan import cost, feed_time, gpu_target, offload_cost, search_report, time_report, timing, topology
 from meshpar.plan import report as report_lib
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     step_time = topo = offload = None
     target = gpu_target.Target(None, "")
+    stack = contextlib.ExitStack()
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.search or args.write or args.top is not None:
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
             sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
         target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
+        stack.enter_context(compile_cache.suspended(target.compile_only))
         step = parts.abstract_step(cfg, devices=target.devices)
         parts.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
         # The machine's device when a machine is named (on cpu-sim: this host's, as a run checks it).
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise errors.OutputError(f"cannot write {args.json}: {e.strerror}") from None
     except Exception as e:
         return errors.report(e)
+    finally:
+        stack.close()
 
     console = Console(width=max(Console().width, 136))
     if target.note:

@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshpar import jaxprs, parts, quiet
+from meshpar import compile_cache, jaxprs, parts, quiet
 from meshpar.plan import hlo
 
 
@@ -67,7 +67,7 @@ def lone_matmul_scratch(device, options: tuple, eqn) -> tuple[int, int]:
         sharding = jax.sharding.SingleDeviceSharding(device)
         args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in operands]
         lowered = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params)).lower(*args)
-        with quiet.native_stderr_filtered():
+        with quiet.native_stderr_filtered(), compile_cache.suspended():
             compiled = lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
         _SCRATCH[key] = gemm_scratch(compiled.as_text(), math.prod(eqn.outvars[0].aval.shape))
     return _SCRATCH[key]

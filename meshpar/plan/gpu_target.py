@@ -31,7 +31,6 @@ import re
 
 import jax
 
-from meshpar import compile_cache
 from meshpar import mesh as mesh_lib
 from meshpar import quiet
 from meshpar.config import ConfigError
@@ -124,9 +123,8 @@ def devices(topo: Topology) -> tuple:
 @functools.cache
 def _devices(name: str, text: str, shape: str) -> tuple:
     """The compile-only devices of one target description and shape, made once per process.
-    jax's persistent compilation cache is turned off from then on: a compile-only client cannot
-    load the executables it would read back (jax warns at every one)."""
-    compile_cache.turn_off()
+    Compile for them under :func:`meshpar.compile_cache.suspended`: a compile-only client cannot
+    load back the executables jax's persistent cache would hand it."""
     try:
         with quiet.native_stderr_filtered():
             return tuple(_topology_desc(text, shape).devices)

@@ -420,7 +420,8 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
             on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
             row.step = parts.abstract_step(row.cfg, on_target, spec)
-        row.compiled = row.step.lower().compile()
+        with compile_cache.suspended(target.compile_only):
+            row.compiled = row.step.lower().compile()
         row.compile_s = time.perf_counter() - t
         row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
         row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
