@@ -1,13 +1,15 @@
-"""Byte-level language-modelling sources: fixed-length windows of a token stream.
+"""Language-modelling sources: fixed-length windows of a token stream.
 
-Tokens are raw bytes (vocab 256). A split is one ``uint8`` stream; example ``i`` is the
+A split's documents become one stream of token ids through a tokenizer
+(:mod:`input_pipeline.tokenizer`): by default raw bytes (vocab 256, ``uint8``), or a Hugging
+Face tokenizer (ids in ``uint16`` when its vocabulary fits). Example ``i`` is the
 window ``stream[i*length : i*length + length + 1]`` (stride ``length``, so consecutive windows
 share only their boundary byte and every byte after the first is a target exactly once),
 served as one field, ``tokens [length + 1]``, in the narrowest dtype that holds the vocabulary
 (:func:`token_dtype`: ``uint8`` for bytes). The model cuts ``inputs = tokens[:-1]`` and
 ``targets = tokens[1:]`` itself, on the devices: the host sends ``length + 1`` bytes per
-example instead of two int32 ``[length]`` arrays (``8 * length`` bytes), ~8x fewer. Reads are
-random-access, so the host loader's seeded permutation decides the order.
+example (bytes) instead of two int32 ``[length]`` arrays (``8 * length`` bytes), ~8x fewer.
+Reads are random-access, so the host loader's seeded permutation decides the order.
 
 Corpora:
   * :class:`TextSource` — by default the Python standard library's own ``.py`` files, found at
@@ -16,7 +18,9 @@ Corpora:
     bytes of ``sha256(relative posix path)``, as a fraction of 2**64, are below
     ``eval_fraction``. Stable across runs, machines and Python versions' hash seeds.
   * :func:`from_tfds` — every row of a tfds Text feature.
-Documents (files, rows) are joined with ``SEPARATOR`` (``b"\\n"``).
+Documents (files, rows) are joined with the tokenizer's end-of-document ids: ``SEPARATOR``
+(``b"\\n"``) for bytes. A Hugging Face tokenizer's stream is kept in a cache folder when one is
+given (``cache_dir``), since tokenizing the standard library takes seconds.
 """
 
 from __future__ import annotations
@@ -29,30 +33,19 @@ from typing import Literal
 
 import numpy as np
 
+from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
 from input_pipeline.tfds_source import TfdsSource  # tfds itself loads only when a source opens
+from input_pipeline.tokenizer import Tokenizer, token_dtype
 
 VOCAB_SIZE = 256
-SEPARATOR = b"\n"
+SEPARATOR = tokenizer_lib.BYTE_SEPARATOR
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def tokenize_bytes(texts: Sequence[bytes], separator: bytes = SEPARATOR) -> np.ndarray:
     """Join documents with `separator` into one uint8 token stream (byte = token)."""
     return np.frombuffer(separator.join(bytes(t) for t in texts), dtype=np.uint8).copy()
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest dtype holding token ids ``0 .. vocab_size - 1``: uint8 up to 256 (bytes),
-    uint16 up to 65536, int32 above (what the model's embedding lookup takes anyway)."""
-    if vocab_size < 1:
-        raise DataError(f"vocab_size must be >= 1, got {vocab_size}")
-    for dtype in (np.uint8, np.uint16):
-        if vocab_size <= np.iinfo(dtype).max + 1:
-            return np.dtype(dtype)
-    if vocab_size > np.iinfo(np.int32).max + 1:
-        raise DataError(f"vocab_size {vocab_size} does not fit int32 token ids")
-    return np.dtype(np.int32)
 
 
 class TextWindows:
@@ -139,11 +132,28 @@ def split_files(files: Sequence[str], eval_fraction: float) -> tuple[list[str], 
     return train, evals
 
 
+def cap_documents(texts: Sequence[bytes], max_bytes: int | None) -> list[bytes]:
+    """The documents whose ``SEPARATOR``-joined bytes are the first `max_bytes` of `texts`
+    joined (the last one cut short): the same text under every tokenizer."""
+    if max_bytes is None:
+        return list(texts)
+    out, total = [], 0
+    for t in texts:
+        if out:
+            total += len(SEPARATOR)
+        if total > max_bytes:
+            break
+        out.append(t[: max_bytes - total])
+        total += len(out[-1])
+    return out
+
+
 class TextSource(TextWindows):
-    """Byte windows of one split of a directory of ``.py`` files (default: Python's stdlib).
+    """Token windows of one split of a directory of ``.py`` files (default: Python's stdlib).
 
     `max_bytes` keeps only the first `max_bytes` bytes of the split (files in sorted order),
-    reading no more files than that needs.
+    reading no more files than that needs; then `tokenizer` (default bytes) makes them ids.
+    `cache_dir`: where a Hugging Face tokenizer's stream is kept (None = tokenize every time).
     """
 
     def __init__(
@@ -153,6 +163,8 @@ class TextSource(TextWindows):
         corpus_dir: str | None = None,
         eval_fraction: float = 0.05,
         max_bytes: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        cache_dir: str | None = None,
     ):
         if split not in ("train", "eval"):
             raise DataError(f"split must be 'train' or 'eval', got {split!r}")
@@ -172,17 +184,35 @@ class TextSource(TextWindows):
             if max_bytes is not None and total >= max_bytes:
                 break
         self.files_read = self.files[: len(texts)]
-        stream = tokenize_bytes(texts)[:max_bytes]
+        self.tokenizer = tokenizer = tokenizer or tokenizer_lib.ByteTokenizer()
+        if isinstance(tokenizer, tokenizer_lib.ByteTokenizer):
+            stream = tokenize_bytes(texts)[:max_bytes]
+        else:
+            key = (f"text split={split}", f"max_bytes={max_bytes or 0}")
+            stream = tokenizer_lib.encode_documents(tokenizer, cap_documents(texts, max_bytes), cache_dir, key)
         what = f"split {split!r} of {self.corpus_dir} ({len(self.files)} files)"
-        super().__init__(stream, length, what=what)
+        super().__init__(stream, length, what=what, vocab_size=tokenizer.vocab_size)
 
 
-def from_tfds(name: str, split: str, data_dir: str, feature: str = "text", *, length: int) -> TextWindows:
-    """Byte windows over every row of a tfds Text `feature`, rows joined with ``SEPARATOR``."""
+def from_tfds(
+    name: str,
+    split: str,
+    data_dir: str,
+    feature: str = "text",
+    *,
+    length: int,
+    tokenizer: Tokenizer | None = None,
+    cache_dir: str | None = None,
+) -> TextWindows:
+    """Token windows over every row of a tfds Text `feature`, rows joined with the tokenizer's
+    end-of-document ids (default bytes: ``SEPARATOR``); `cache_dir` as for :class:`TextSource`."""
     src = TfdsSource(name, split, data_dir, {"text": feature})
     (shape, dtype) = src.element_spec["text"]
     if dtype != np.dtype(object) or shape != ():
         raise DataError(f"feature {feature!r} of dataset {name!r} is not a Text feature (shape={shape}, dtype={dtype})")
     rows = src.read(np.arange(len(src)))["text"]
     what = f"split {split!r} of tfds dataset {name!r} feature {feature!r}"
-    return TextWindows(tokenize_bytes(list(rows)), length, what=what)
+    tokenizer = tokenizer or tokenizer_lib.ByteTokenizer()
+    key = (f"tfds {name} split={split} feature={feature}",)
+    stream = tokenizer_lib.encode_documents(tokenizer, [bytes(r) for r in rows], cache_dir, key)
+    return TextWindows(stream, length, what=what, vocab_size=tokenizer.vocab_size)

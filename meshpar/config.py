@@ -29,8 +29,8 @@ __all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # Where examples come from: synthetic (seeded teacher-network task), tfds (array_record on
-    # disk), text (byte-level windows of a directory of .py files; default the Python standard
-    # library), tfds_text (byte-level windows of a tfds Text feature).
+    # disk), text (token windows of a directory of .py files; default the Python standard
+    # library), tfds_text (token windows of a tfds Text feature); tokens as data.tokenizer says.
     source: Literal["synthetic", "tfds", "text", "tfds_text"] = "synthetic"
     # synthetic: train / eval rows, input width ("pixels") and number of classes (labels are int32).
     num_examples: int = dataclasses.field(default=16384, metadata=at_least(1))
@@ -53,6 +53,12 @@ class DataConfig:
     eval_fraction: float = dataclasses.field(default=0.05, metadata=between(0.0, 1.0))
     max_bytes: int = dataclasses.field(default=0, metadata=at_least(0))
     text_feature: str = "text"
+    # text / tfds_text: how text becomes token ids. byte = one token per byte (vocabulary 256);
+    # a path = a Hugging Face tokenizer (its tokenizer.json, or a folder holding one), read with
+    # `tokenizers`; "" = the tokenizer of checkpoint.init_from when it has one, else byte.
+    # model.vocab_size must be at least the tokenizer's. Token streams are cached in
+    # ~/.cache/meshpar/tokens (environment variable MESHPAR_TOKEN_CACHE; "" = no cache).
+    tokenizer: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +148,11 @@ class CheckpointConfig:
     # e.g. [optimizer.learning_rate]. Without them, --resume refuses a changed seed, batch size,
     # model, optimizer or data setting.
     allow_changes: tuple[str, ...] = ()
+    # A fresh run starts from these weights instead of random ones (fine-tuning: a new run with
+    # its own record, optimizer state and step count from zero): a Hugging Face model folder
+    # (config.json + safetensors) or a meshpar run (its workdir or checkpoint folder; the newest
+    # step's parameters). "" = random init. A resumed run continues from its own checkpoint.
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +327,9 @@ def from_dict(raw: Any) -> Config:
     return cfg
 
 
-# Folder settings: each becomes a path the run creates or reads.
-PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "compile_cache.dir")
+# Folder and file settings: each becomes a path the run creates or reads ("byte", data.tokenizer's
+# other value, passes as a name).
+PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "data.tokenizer", "compile_cache.dir")
 # The longest file name (one path component, in bytes) and path that Linux and macOS file systems
 # take; a longer one fails deep inside a library (orbax, tfds) instead of here.
 NAME_MAX, PATH_MAX = 255, 4095

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 
 from input_pipeline.errors import DataError
-from meshpar import compile_cache, parts, rundir, throughput, trainer
+from meshpar import compile_cache, init_from, parts, rundir, throughput, trainer
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import resume as resume_lib
@@ -68,7 +68,7 @@ def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
 
 def build(cfg: Config) -> Experiment:
     """Devices → mesh → layout → inputs → the state's plan → the memory pre-flight → sharded
-    state (fresh, or from a checkpoint) → jitted steps.
+    state (fresh: random, or checkpoint.init_from's weights; or from a checkpoint) → jitted steps.
 
     With ``plan.check`` (the default) nothing is allocated until the plan is known to fit
     (:mod:`meshpar.plan.preflight`): the analytic check first, before the run's folders are
@@ -88,6 +88,7 @@ def build(cfg: Config) -> Experiment:
     step = parts.assemble(cfg, mesh, layout, inputs.element_spec, inputs.shardings, record["decay_steps"])
     plan = step.plan
     parts.say_unused_rules(cfg, mesh, plan)
+    origin = init_from.open_source(cfg, plan.abstract.params)  # checkpoint.init_from, checked before anything is allocated
     compiled = {}  # program name -> compiled by the pre-flight (meshpar.plan.programs)
     if cfg.plan.check:
         breakdown, capacity = preflight.check_analytic(cfg, step, inputs.element_spec)
@@ -103,6 +104,8 @@ def build(cfg: Config) -> Experiment:
             step = step.with_optimizer(cfg, trainer.make_optimizer(cfg.optimizer, record["decay_steps"]))
             # The pre-flight's step (only there with plan.check) was compiled for the other horizon.
             compiled.pop("train step", None)
+    elif origin is not None:  # a fresh run from checkpoint.init_from's parameters
+        state = init_from.initial_state(cfg, origin, plan, step.tx)
     else:
         state = plan.materialize(layout, mesh)
     train_step = step.step

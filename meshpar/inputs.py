@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 
 import numpy as np
-
 from jax.sharding import Mesh, NamedSharding
 
+from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.batching import HostLoader
+from input_pipeline.errors import DataError
 from input_pipeline.feeding import FEEDERS, Feeder, process_rows
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
-from input_pipeline.text import VOCAB_SIZE, TextSource, from_tfds, token_dtype
+from input_pipeline.text import TextSource, from_tfds
 from input_pipeline.tfds_source import TfdsSource  # tfds itself loads only when a source opens
 from input_pipeline.tfds_source import name_problem as tfds_name_problem
 from meshpar.config import Config, ConfigError, DataConfig
+from meshpar.hf import files as hf_files
 from meshpar.layout import Layout
 
 
@@ -41,8 +45,58 @@ class Inputs:
         return Prefetcher(produce, start, stop, self.prefetch)
 
 
-def make_source(data: DataConfig, split: str, seed: int):
-    """The source for the train split (``split="train"``) or the eval split (``"eval"``); None if absent."""
+TEXT_SOURCES = ("text", "tfds_text")
+# Where Hugging Face token streams are kept between starts (input_pipeline.tokenizer); the
+# environment variable, when set, wins ("" = no cache: tokenize at every start).
+TOKEN_CACHE_ENV, TOKEN_CACHE_DIR = "MESHPAR_TOKEN_CACHE", "~/.cache/meshpar/tokens"
+
+
+def tokenizer_spec(data: DataConfig, init_from: str = "") -> str:
+    """``data.tokenizer`` resolved: as given, or for "" the tokenizer.json of the weights
+    ``checkpoint.init_from`` names, when there is one (a Hugging Face model's folder, or a
+    meshpar run an import copied it into), else ``byte``. A run's tokenizer is looked for where
+    the export looks (:func:`meshpar.hf.files.origins`): the folder, its parent (the run of a
+    checkpoint folder), then the folders that run was itself started from."""
+    if data.tokenizer:
+        return data.tokenizer
+    if init_from:
+        for folder in hf_files.origins(pathlib.Path(os.path.expanduser(init_from))):
+            if (folder / "tokenizer.json").is_file():
+                return str(folder / "tokenizer.json")
+    return tokenizer_lib.BYTE
+
+
+def load_tokenizer(data: DataConfig, init_from: str = "") -> tokenizer_lib.Tokenizer:
+    """The text sources' tokenizer (:func:`tokenizer_spec`); a bad file is one ConfigError."""
+    spec = tokenizer_spec(data, init_from)
+    try:
+        return tokenizer_lib.load(spec)
+    except DataError as e:
+        raise ConfigError("data.tokenizer", str(e)) from None
+
+
+def token_cache_dir() -> str | None:
+    folder = os.environ.get(TOKEN_CACHE_ENV, TOKEN_CACHE_DIR)
+    return os.path.expanduser(folder) if folder else None
+
+
+def check_vocab(cfg: Config) -> None:
+    """A model whose vocabulary is smaller than the tokenizer's would index past its embedding
+    (XLA clamps the lookup silently): refused before the corpus is read. Reads only the
+    tokenizer file."""
+    vocab = getattr(cfg.model, "vocab_size", None)
+    if cfg.data.source not in TEXT_SOURCES or vocab is None:
+        return
+    tokenizer = load_tokenizer(cfg.data, cfg.checkpoint.init_from)
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(
+            "model.vocab_size", f"{vocab} but data.tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens"
+        )
+
+
+def make_source(data: DataConfig, split: str, seed: int, init_from: str = ""):
+    """The source for the train split (``split="train"``) or the eval split (``"eval"``); None if
+    absent. `init_from`: ``checkpoint.init_from``, where ``data.tokenizer: ""`` looks first."""
     if data.source in ("tfds", "tfds_text"):
         problem = tfds_name_problem(data.name)
         if problem:  # e.g. a path: error lines must never show folders outside data_dir
@@ -56,21 +110,37 @@ def make_source(data: DataConfig, split: str, seed: int):
     if data.source == "text":
         if split == "eval" and data.eval_fraction == 0:
             return None
-        return TextSource(split, data.length, data.corpus_dir or None, data.eval_fraction, data.max_bytes or None)
+        tokenizer = load_tokenizer(data, init_from)
+        return TextSource(
+            split, data.length, data.corpus_dir or None, data.eval_fraction, data.max_bytes or None,
+            tokenizer=tokenizer, cache_dir=token_cache_dir(),
+        )  # fmt: skip
     if data.source == "tfds_text":
         name = data.split if split == "train" else data.eval_split
-        return from_tfds(data.name, name, data.data_dir, data.text_feature, length=data.length) if name else None
+        if not name:
+            return None
+        tokenizer = load_tokenizer(data, init_from)
+        return from_tfds(
+            data.name,
+            name,
+            data.data_dir,
+            data.text_feature,
+            length=data.length,
+            tokenizer=tokenizer,
+            cache_dir=token_cache_dir(),
+        )
     raise ValueError(f"unknown data source {data.source!r}")
 
 
-def element_spec(data: DataConfig, seed: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def element_spec(data: DataConfig, seed: int, init_from: str = "") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The train source's per-example ``(shape, dtype)`` by field, without reading the data
-    where the config alone says it (synthetic, text); a tfds dataset's comes from its info."""
+    where the config alone says it (synthetic; text, whose dtype follows the tokenizer file's
+    vocabulary); a tfds dataset's comes from its info. `init_from` as for :func:`make_source`."""
     if data.source == "synthetic":
         return {"inputs": ((data.num_features,), np.dtype(np.float32)), "targets": ((), np.dtype(np.int32))}
-    if data.source in ("text", "tfds_text"):
-        return {"tokens": ((data.length + 1,), token_dtype(VOCAB_SIZE))}
-    return dict(make_source(data, "train", seed).element_spec)
+    if data.source in TEXT_SOURCES:
+        return {"tokens": ((data.length + 1,), load_tokenizer(data, init_from).dtype)}
+    return dict(make_source(data, "train", seed, init_from).element_spec)
 
 
 def batch_shardings(element_spec: dict, layout: Layout, mesh: Mesh) -> dict[str, NamedSharding]:
@@ -79,7 +149,9 @@ def batch_shardings(element_spec: dict, layout: Layout, mesh: Mesh) -> dict[str,
 
 
 def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
-    train_source = make_source(cfg.data, "train", cfg.train.seed)
+    check_vocab(cfg)  # before tokenizing the corpus, which can take seconds
+    init_from = cfg.checkpoint.init_from
+    train_source = make_source(cfg.data, "train", cfg.train.seed, init_from)
     spec = train_source.element_spec
     shardings = batch_shardings(spec, layout, mesh)
     first = next(iter(shardings.values()))
@@ -88,7 +160,7 @@ def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
     if reuse and not hasattr(train_source, "read_into"):
         raise ConfigError("feed.reuse_buffers", f"the {cfg.data.source} source cannot read into reused buffers")
     train = HostLoader(train_source, cfg.train.batch_size, cfg.train.seed, rows, reuse_buffers=reuse)
-    eval_source = make_source(cfg.data, "eval", cfg.train.seed)
+    eval_source = make_source(cfg.data, "eval", cfg.train.seed, init_from)
     evaluation = eval_source and HostLoader(eval_source, cfg.train.batch_size, cfg.train.seed, rows, shuffle=False)
     feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)
     eval_feeder = FEEDERS[cfg.feed.mode](shardings, cfg.train.batch_size)

@@ -276,6 +276,13 @@ def compile_only() -> bool:
     return getattr(active[1].devices.flat[0].client, "runtime_type", "") == "compile_only_runtime"
 
 
+def same_split(a: str, b: str) -> bool:
+    """Whether the active layout splits dims `a` and `b` over the same mesh axes (True when no
+    layout is active: nothing is split)."""
+    active = _ACTIVE.get()
+    return active is None or active[0].axis(a) == active[0].axis(b)
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[set[str]]:
     """Within this block, the name of every dim that :func:`constrain` places (under

@@ -76,12 +76,21 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
     """The config's layout (with ``param_layout`` on top) on `mesh`, once the batch is known to
     divide over it (a -1 batch axis has its size now)."""
     config_lib.check_batch_size(cfg, dict(mesh.shape))
-    return layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
+    return layout_for(cfg, dict(mesh.shape))
+
+
+def layout_for(cfg: Config, axis_sizes: dict[str, int]) -> layout_lib.Layout:
+    """The config's layout (with ``param_layout`` on top) on a mesh of `axis_sizes`, with the
+    rules the model family derives from them (e.g. Llama's ``kv_heads`` following ``heads``)."""
+    derive = MODELS[cfg.model.name].layout_rules
+    rules = derive(cfg.model, layout_lib.on_mesh(cfg.layout, axis_sizes), axis_sizes)
+    params = derive(cfg.model, layout_lib.on_mesh(cfg.param_layout, axis_sizes), axis_sizes)
+    return layout_lib.Layout.create(rules, axis_sizes, params=params)
 
 
 def source_element_spec(cfg: Config) -> dict:
     """The train source's per-example ``(shape, dtype)`` by field (the source is opened)."""
-    source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed)
+    source = inputs_lib.make_source(cfg.data, "train", cfg.train.seed, cfg.checkpoint.init_from)
     if source is None:
         raise ConfigError("data", "has no train examples")
     return dict(source.element_spec)
@@ -221,6 +230,7 @@ def abstract_step(
         compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compile is cached
         mesh = make_mesh(cfg, devices)
     layout = make_layout(cfg, mesh)
+    inputs_lib.check_vocab(cfg)  # as a run checks it, before the source is opened
     spec = element_spec if element_spec is not None else source_element_spec(cfg)
     batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
     return assemble(cfg, mesh, layout, spec, batch_shardings, resume.horizon(cfg))

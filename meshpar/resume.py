@@ -15,7 +15,9 @@ horizon it was saved with (``optimizer.decay_steps``, by default the first run's
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import pathlib
 from typing import Any
 
 from meshpar import config as config_lib
@@ -52,6 +54,10 @@ def record(cfg: Config, inputs) -> dict:
     values["optimizer.decay_steps"] = horizon(cfg)
     spec = {k: [list(shape), str(dtype)] for k, (shape, dtype) in inputs.element_spec.items()}
     values["data.train_examples"] = len(inputs.train.source)
+    tokenizer = getattr(inputs.train.source, "tokenizer", None)
+    if tokenizer is not None and tokenizer.name != "byte":
+        # The file's content, not its path: a tokenizer replaced in place would change every id.
+        values["data.tokenizer_sha256"] = hashlib.sha256(pathlib.Path(tokenizer.name).read_bytes()).hexdigest()
     values["data.element_spec"] = spec
     return json.loads(json.dumps({"config": values, "decay_steps": horizon(cfg)}))  # tuples → lists, as saved
 

@@ -4,8 +4,9 @@
                                       [--target 0.10] [--json out.json] [experiments/x.yaml ...]
 
 Two sets of configs. **shipped**: every ``experiments/*.yaml`` and the variants in VARIANTS
-(remat, microbatches, a rolled layer loop). **generated** (:func:`generated`): about three dozen
-configs drawn with a fixed seed from the shipped ones, varying the family (Transformer, MLP),
+(remat, microbatches, a rolled layer loop). **generated** (:func:`generated`): the NAMED
+configs (each a different way of going wrong, vocabularies far wider than the model among them),
+then about three dozen drawn with a fixed seed from the shipped ones, varying the family (Transformer, MLP),
 the layout (data parallel, a model split, 2-D, a sequence split, FSDP's ``param_layout``), the
 sizes (width, heads, layers, length, hidden widths, batch), ``model.remat``,
 ``train.microbatches``, the dtypes and the optimizer, over meshes of 8 simulated CPU devices
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import random
 import sys
@@ -79,11 +81,13 @@ GEMM_MARKS = {
     "triton": ("__triton_gemm", "__triton_nested_gemm_fusion"), "cublas": ("__cublas$lt$matmul", "__cublas$gemm"),
 }  # fmt: skip
 SEED = 20240611  # the generated set: the same configs on every run
-GENERATED = 36  # configs in the generated set
+GENERATED = 40  # configs in the generated set before its Llama draws (NAMED first, then drawn)
+LLAMA_SEED, LLAMA_GENERATED = 20261202, 10  # the generated set's Llama configs
 CI_GENERATED = 6  # of which --ci compiles this many, the cheapest of distinct layouts
 
 TRANSFORMER = "experiments/quickstart.yaml"
 MLP = "experiments/mlp_data_parallel.yaml"
+LLAMA = "experiments/llama_tiny.yaml"
 _TEXT = ["data.max_bytes=200000"]  # the element spec is all a compile needs: read little
 # Layouts by kind: (mesh, layout, param_layout or None). Sequence splits put `length` on an axis.
 TRANSFORMER_LAYOUTS = {
@@ -123,6 +127,23 @@ NAMED = [
            "train.batch_size=1024"]),
     # (e) bfloat16 compute on a 2-D layout
     ("experiments/transformer_2d.yaml", ["model.compute_dtype=bfloat16", *_TEXT]),
+    # (f)-(i) a vocabulary far wider than the model: the tables, their gradients and the logits
+    # outweigh the layers. (f) FSDP with GPT-2's 50,257 tokens on data:8
+    ("experiments/transformer_fsdp.yaml", ["mesh=data:8", "layout=batch:data", "model.vocab_size=50257",
+                                           "model.d_model=192", "model.n_heads=6", "model.d_head=32", "model.d_ff=768",
+                                           "data.length=96", "model.max_length=96", "train.batch_size=16", *_TEXT]),
+    # (g) the same vocabulary data parallel, full remat, the layer loop run as a loop
+    ("experiments/transformer_fsdp.yaml", ["mesh=data:4", "layout=batch:data", "param_layout=",
+                                           "model.vocab_size=50257", "model.d_model=128", "model.n_heads=4",
+                                           "model.d_head=32", "model.d_ff=512", "model.n_layers=3", "data.length=128",
+                                           "model.max_length=128", "train.batch_size=16", "model.remat=full", *_TEXT]),
+    # (h) a Llama with Llama 2's 32,000 tokens under FSDP, one key/value head, remat dots
+    (LLAMA, ["mesh=data:8", "layout=batch:data", "param_layout=embed:data", "model.vocab_size=32000",
+             "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=1", "model.d_head=32", "model.d_ff=384",
+             "data.length=128", "model.max_length=128", "train.batch_size=16", "model.remat=dots", *_TEXT]),
+    # (i) tied embeddings over a vocabulary split 2 ways, 3 layers, gradient accumulation
+    (LLAMA, ["model.vocab_size=32000", "model.tie_embeddings=true", "model.n_layers=3", "train.microbatches=2",
+             *_TEXT]),
 ]  # fmt: skip
 
 
@@ -183,14 +204,30 @@ def _mlp(rng: random.Random, kind: str) -> list[str]:
     return out
 
 
+def _llama(rng: random.Random, kind: str) -> list[str]:
+    """A Transformer draw (same layouts and sizes) as a Llama: grouped key/value heads (dividing
+    the query heads; split with them where they divide, else whole on every device), SwiGLU's
+    width, optionally tied embeddings."""
+    # d_ff shares SwiGLU's matrices with embed: FSDP may not put both on one axis
+    out = [o if o != "param_layout=embed:data; d_ff:data" else "param_layout=embed:data"
+           for o in _transformer(rng, kind) if not o.startswith("model.d_ff=")]  # fmt: skip
+    heads = int(next(o for o in out if o.startswith("model.n_heads=")).split("=")[1])
+    out += [f"model.n_kv_heads={rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])}",
+            f"model.d_ff={rng.choice([192, 384, 768])}", f"model.tie_embeddings={rng.choice(['false', 'true'])}"]  # fmt: skip
+    return out
+
+
 def generated() -> list[tuple[str, list[str]]]:
-    """The generated set: NAMED, then configs drawn with SEED, the layout kinds taken in turn."""
+    """The generated set: NAMED, then configs drawn with SEED, the layout kinds taken in turn;
+    then LLAMA_GENERATED Llama configs drawn with their own seed, the same layout kinds in turn."""
     rng = random.Random(SEED)
     kinds = [("transformer", k) for k in TRANSFORMER_LAYOUTS] + [("mlp", k) for k in MLP_LAYOUTS]
     out = list(NAMED)
     while len(out) < GENERATED:
         family, kind = kinds[(len(out) - len(NAMED)) % len(kinds)]
         out.append((TRANSFORMER, _transformer(rng, kind)) if family == "transformer" else (MLP, _mlp(rng, kind)))
+    rng = random.Random(LLAMA_SEED)
+    out += [(LLAMA, _llama(rng, kind)) for kind in itertools.islice(itertools.cycle(TRANSFORMER_LAYOUTS), LLAMA_GENERATED)]
     return out
 
 
@@ -218,6 +255,15 @@ def ci_slice(runs: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
             seen.add(key)
             out.append(run)
     return out[:CI_GENERATED]
+
+
+def _family(run: tuple[str, list[str]]) -> str | None:
+    from meshpar import config
+
+    try:
+        return config.load(*run).model.name
+    except ValueError:
+        return None
 
 
 def _mib(n: int) -> str:
@@ -435,6 +481,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", action="store_true", help=f"add XLA:GPU columns for {', '.join(GPU_TARGETS)}")
     parser.add_argument("--targets", help="add XLA:GPU columns for these GPU topologies (comma-separated)")
     parser.add_argument("--target", type=float, default=TARGET, help=f"|error| a row may have (default {TARGET})")
+    parser.add_argument("--family", help="only the configs of this model family (e.g. llama)")
     parser.add_argument("--json", help="write the rows here as JSON")
     args = parser.parse_args(argv)
     targets: tuple[str, ...] = ()
@@ -467,6 +514,8 @@ def main(argv=None) -> int:
 
     from meshpar import config, mesh
 
+    if args.family:
+        sets = {k: [r for r in runs if _family(r) == args.family] for k, runs in sets.items()}
     counts = []
     for runs in sets.values():
         for p, o in runs:

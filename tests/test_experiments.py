@@ -151,3 +151,17 @@ def test_trains_on_tfds_array_record_datasets(tmp_path):
     )
     summary = train.run(text)
     assert np.isfinite(summary["final_loss"]) and summary["tokens_per_example"] == 16
+
+
+@pytest.mark.slow  # the whole run, about a minute; `pytest -m slow` (test_experiment_runs_two_steps covers it in CI)
+def test_llama_tiny_trains_as_its_header_says(tmp_path):
+    path = pathlib.Path("experiments/llama_tiny.yaml")
+    text = " ".join(_header(path))
+    first, final = map(float, re.search(r"Train loss ([\d.]+) → ([\d.]+)", text).groups())
+    at_50, at_200 = map(float, re.search(r"validation loss ([\d.]+) at step 50, ([\d.]+) at step 200", text).groups())
+    summary = train.run(config.load(path, ["train.progress=false", f"workdir={tmp_path}"]))
+    evals = {r["step"]: r["eval_loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r}
+    # float32 on CPU: another machine's reduction order moves the last digits, not the second
+    for claimed, got in ((first, summary["first_loss"]), (final, summary["final_loss"]), (at_50, evals[50]),
+                         (at_200, evals[200])):  # fmt: skip
+        assert abs(got - claimed) <= 0.01 * claimed, (claimed, got)

@@ -10,12 +10,13 @@ import pytest
 
 from meshpar import aot, config, experiment, parts
 from meshpar.jax_compat import saved_residuals
-from meshpar.plan import gemm, memory, residuals
+from meshpar.plan import gathers, gemm, gradients, memory, residuals
 
 TINY_TRANSFORMER = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
     "data.length=16", "data.max_bytes=200000", "train.batch_size=16", "train.eval_every=0", "checkpoint.every=0",
 ]  # fmt: skip
+TINY_LLAMA = [*TINY_TRANSFORMER, "model.n_kv_heads=1", "model.d_ff=48", "model.tie_embeddings=true"]
 TINY_MLP = ["model.hidden=[64,32]", "data.num_examples=256", "data.num_eval_examples=0", "train.batch_size=32",
             "data.num_features=48", "train.eval_every=0"]  # fmt: skip
 
@@ -68,12 +69,18 @@ def test_activations_fall_with_remat_and_with_microbatches():
     assert full < dots < none
     assert activations("train.microbatches=4") < activations("train.microbatches=2") < none
     # FSDP changes where the weights live, not what one device computes with: the same residuals,
-    # plus the gathered copies of the weights the backward reads (stored split, used whole)
+    # plus the gathered copies of the weights the backward reads (stored split, used whole) where
+    # the unrolled layer loop keeps each layer's slice of the stored stacks
+    plain = config.load("experiments/quickstart.yaml", TINY_TRANSFORMER)
+    plain_step, plain_read = parts.abstract_step(plain), set()
+    kept = sum(r.total for r in memory.saved_activations(plain, plain_step, read=plain_read))
+    sliced = gathers.gathers(plain, plain_step, plain_read).kept  # every layer's slice of each weight stack
+    assert sliced > 0 and none == kept + sliced
     cfg = config.load("experiments/transformer_fsdp.yaml", TINY_TRANSFORMER)
     step, read = parts.abstract_step(cfg), set()
-    assert sum(r.total for r in memory.saved_activations(cfg, step, read=read)) == none
-    gathered = memory._gathers(cfg, step, read).kept
-    assert gathered > 0 and memory.analytic(cfg, step).categories["activations"] == none + gathered
+    assert sum(r.total for r in memory.saved_activations(cfg, step, read=read)) == kept
+    gathered = gathers.gathers(cfg, step, read).kept
+    assert gathered > sliced and memory.analytic(cfg, step).categories["activations"] == kept + gathered
 
 
 def test_a_model_parallel_split_divides_the_split_weights_state():
@@ -105,11 +112,13 @@ def test_an_absurd_layer_is_planned_in_seconds_without_allocating(env):
 
 @pytest.mark.parametrize(
     "path, overrides",
-    [("experiments/mlp_data_parallel.yaml", TINY_MLP), ("experiments/quickstart.yaml", TINY_TRANSFORMER)],
+    [("experiments/mlp_data_parallel.yaml", TINY_MLP), ("experiments/quickstart.yaml", TINY_TRANSFORMER),
+     ("experiments/llama_tiny.yaml", TINY_LLAMA)],
 )
 def test_the_step_estimate_is_within_ten_percent_of_xla(path, overrides):
     # data parallel MLP: the peak is the update (gradients beside their all-reduced copy);
-    # Transformer: the backward pass (saved activations)
+    # Transformer: the backward pass (saved activations); Llama: the same, with multi-query
+    # attention's one key/value head whole on every device while the query heads are split
     cfg = config.load(path, overrides)
     step = parts.abstract_step(cfg)
     c = memory.analytic(cfg, step).categories
@@ -134,6 +143,51 @@ def test_gathered_parameters_are_counted_under_param_layout(extra):
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.10 * xla, (step_total, xla)
+
+
+# a vocabulary 128 times the width: the table, its gradient and the logits outweigh the layers
+LARGE_VOCAB = ["mesh=data:8", "layout=batch:data", "model.vocab_size=4096"]
+
+
+@pytest.mark.parametrize(
+    "path, overrides",
+    [
+        # FSDP: the gathered output projection kept for the backward, the logits' cotangent and
+        # its transposed copy beside the projection's whole gradient, and the embedding's
+        # gradient table, zeroed before the backward begins (~20% low without them)
+        ("experiments/transformer_fsdp.yaml", [*TINY_TRANSFORMER, *LARGE_VOCAB]),
+        # the same with the layer loop run as a loop: each layer's gradient reduced in its
+        # iteration into a stack at its stored shard, not every layer's whole beside its copy
+        ("experiments/transformer_fsdp.yaml", [*TINY_TRANSFORMER, *LARGE_VOCAB, "model.remat=full"]),
+        # tied embeddings, data parallel: the table's gradient in two parts (the gather's and the
+        # logits matmul's), each all-reduced before they are added (~27% low without them)
+        ("experiments/llama_tiny.yaml", [*TINY_LLAMA, *LARGE_VOCAB]),
+    ],
+)
+def test_a_large_vocabulary_is_counted_as_xla_holds_it(path, overrides):
+    cfg = config.load(path, overrides)
+    step = parts.abstract_step(cfg)
+    c = memory.analytic(cfg, step).categories
+    step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
+    xla = aot.memory(step.lower().compile())["total_bytes"]
+    assert abs(step_total - xla) <= 0.05 * xla, (step_total, xla)
+
+
+def test_where_each_gradient_is_produced_and_in_what_dtype():
+    table = jax.ShapeDtypeStruct((512, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+
+    def tied(w, ids):  # each read its own cast, as `use` makes them
+        x = jnp.take(w.astype(jnp.bfloat16), ids, axis=0)  # [4, 8, 16]
+        return jnp.einsum("ble,ve->blv", x, w.astype(jnp.bfloat16)).astype(jnp.float32).sum()
+
+    uses: dict = {}
+    residuals.kept_residuals(tied, table, ids, uses=uses)
+    u = uses[0]
+    # produced in bfloat16 (the casts are the table), by the logits matmul (its weight gradient,
+    # over a cotangent of three dims) and the gather (added into a zeroed table), in two parts
+    assert u.nbytes == 512 * 16 * 2 and u.cot == 4 * 8 * 512 * 2
+    assert u.matmul and u.folded and u.scattered and u.parts == 2
 
 
 X = np.ones((64, 32), np.float32)
@@ -259,7 +313,7 @@ def test_an_update_holds_what_it_shares_with_the_gradient_norm():
 
     def copies(name):
         cfg = config.load("experiments/mlp_data_parallel.yaml", [f"optimizer.name={name}"])
-        return memory._update_copies(trainer.make_optimizer(cfg.optimizer, 10), (8, 4), jnp.float32)
+        return gradients.update_copies(trainer.make_optimizer(cfg.optimizer, 10), (8, 4), jnp.float32)
 
     assert copies("adamw") == 1  # the gradient's square: the second moment's and the norm's
     assert copies("sgd") == 0  # momentum reads the gradient itself

@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"meshpar.train", "meshpar.compare_feeding", "meshpar.plan.__main__"}
+COMMANDS = {"meshpar.train", "meshpar.compare_feeding", "meshpar.plan.__main__", "meshpar.convert"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpar.models import mlp, transformer
+from meshpar.models import layers, llama, mlp, transformer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +51,9 @@ class Family:
     # offload.activations → the checkpoint_name tags whose values each layer keeps in host
     # memory under that policy (a policy the family does not list does not apply to it).
     activation_names: dict[str, tuple[str, ...]]
+    # (config, layout rules on the mesh, mesh axis sizes) → the rules with those the family
+    # derives from them added (a dim that follows another where it divides); by default none.
+    layout_rules: Callable[[Any, tuple, dict[str, int]], tuple] = lambda cfg, rules, axis_sizes: rules
 
     def check_data(self, element_spec: dict) -> str | None:
         """What is wrong with data of this `element_spec` for this model, or None."""
@@ -83,7 +86,7 @@ MODELS: dict[str, Family] = {
         config=transformer.TransformerConfig,
         build=transformer.build,
         flops_per_example=transformer.flops_per_example,
-        tokens_per_example=lambda cfg, spec: transformer.window_length(spec),  # predicted tokens: length, of length + 1
+        tokens_per_example=lambda cfg, spec: layers.window_length(spec),  # predicted tokens: length, of length + 1
         fields={"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
         split_dims=transformer.split_dims,
         fsdp_dims=transformer.fsdp_dims,
@@ -91,5 +94,19 @@ MODELS: dict[str, Family] = {
         num_layers=transformer.num_layers,
         layer_flops=transformer.layer_flops,
         activation_names=transformer.ACTIVATION_NAMES,
+    ),
+    "llama": Family(
+        config=llama.LlamaConfig,
+        build=llama.build,
+        flops_per_example=llama.flops_per_example,
+        tokens_per_example=lambda cfg, spec: layers.window_length(spec),
+        fields={"tokens": (1, "iu")},  # [length + 1] token ids, as the transformer's
+        split_dims=llama.split_dims,
+        fsdp_dims=llama.fsdp_dims,
+        activation_all_reduces=llama.activation_all_reduces,
+        num_layers=llama.num_layers,
+        layer_flops=llama.layer_flops,
+        activation_names=llama.ACTIVATION_NAMES,
+        layout_rules=llama.layout_rules,
     ),
 }

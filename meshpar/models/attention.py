@@ -27,6 +27,12 @@ so this module never disagrees with the version of jax it runs on.
 
 Sharding: every implementation keeps ``batch`` and ``heads`` as batch dims of its contractions,
 so a layout may split either; the intermediates are constrained in logical names.
+
+Grouped-query attention: k and v may have fewer heads than q (``[batch, length, kv_heads, kv]``,
+each shared by ``heads / kv_heads`` consecutive query heads, as in Llama). cuDNN takes them as
+they are where the layout splits ``kv_heads`` as it splits ``heads`` (or splits neither); every
+other case repeats each key/value head for its query heads first (:func:`repeat_kv`), which is
+local to each device whatever the split, and runs the core as for multi-head attention.
 """
 
 from __future__ import annotations
@@ -46,14 +52,33 @@ NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: exp(NEG - finite) == 
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto", block: int = 512) -> jax.Array:
-    """Causal attention of ``q, k, v [batch, length, heads, kv]`` by `implementation`; the
-    result has q's dtype and shape."""
+    """Causal attention of ``q [batch, length, heads, kv]`` and ``k, v [batch, length, kv_heads,
+    kv]`` (``kv_heads`` divides ``heads``; equal for multi-head attention) by `implementation`;
+    the result has q's dtype and shape."""
     chosen = resolve(implementation, q.shape, q.dtype, block)
+    grouped = k.shape[2] != q.shape[2]
+    if chosen == "cudnn" and (not grouped or layout_lib.same_split("kv_heads", "heads")):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
+    if grouped:
+        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     if chosen == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
     if chosen == "blockwise":
         return blockwise(q, k, v, min(block, q.shape[1]))
     return xla(q, k, v)
+
+
+def repeat_kv(x: jax.Array, heads: int) -> jax.Array:
+    """``[batch, length, kv_heads, kv]`` → ``[batch, length, heads, kv]``: key/value head ``j``
+    repeated for query heads ``j·g .. j·g + g - 1`` (``g = heads / kv_heads``).
+
+    The model's heads always divide (:func:`meshpar.models.llama.check`). One device's view of a
+    layout that splits the query heads but keeps the key/value heads whole (the planner traces
+    the model at one device's shapes) may not: there the repeat is cut to the device's query
+    heads, which is the shape and the work of what each device computes.
+    """
+    reps = -(-heads // x.shape[2])
+    return constrain(jnp.repeat(x, reps, axis=2)[:, :, :heads], ("batch", "length", "heads", "kv"))
 
 
 def resolve(implementation: str, shape: tuple[int, ...], dtype, block: int) -> str:

@@ -57,21 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshpar import layout as layout_lib
 from meshpar.layout import constrain, use
 from meshpar.models import attention as attention_lib
-from meshpar.models import remat as remat_lib
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from meshpar.models import layers
+from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm, scan_unroll, window_length  # noqa: F401
 BLOCK_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_in", "w_out")
 
 
@@ -115,29 +111,10 @@ class TransformerConfig:
     scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dims: tuple[str, ...], std: float, dtype) -> nnx.Param:
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), dims=dims)
-
-
-def _ones(shape: tuple[int, ...], dims: tuple[str, ...], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype), dims=dims)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """RMSNorm over the last (embed) dim, statistics in float32; returns x's dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 def rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding (half-split form) of ``x [batch, length, heads, kv]``."""
-    length, half = x.shape[1], x.shape[-1] // 2
-    freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [kv/2]
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * freq  # [length, kv/2]
-    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    """Rotary position embedding of ``x [batch, length, heads, kv]``, base 10000."""
+    half = x.shape[-1] // 2
+    return layers.rotary(x, 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half))
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -160,23 +137,6 @@ BLOCK_DIMS = {
 def weight(p: dict[str, jax.Array], name: str, dtype=None) -> jax.Array:
     """Block parameter `name` of one layer's weights `p`, placed for compute by :func:`meshpar.layout.use`."""
     return use(p[name], BLOCK_DIMS[name], dtype)
-
-
-def dense(x: jax.Array, w: jax.Array, n: int = 1) -> jax.Array:
-    """``x [batch, length, *in]`` times weight ``w [*in, *out]`` (its `n` leading dims contracted)
-    → ``[batch, length, *out]``, as one matmul ``[batch·length, in] × [in, out]``.
-
-    The reshapes are free (row-major bitcasts) and leave one contracting dim in every matmul of
-    the backward pass. As a 3-D einsum, the weight gradient contracts ``batch`` and ``length``
-    together, and XLA:CPU first wrote the output gradient out transposed, fused with the
-    elementwise backward before it (gelu's): a strided pass that took 30% of the quickstart step.
-    Merged, ``batch·length`` keeps the split of ``batch``; a layout that also splits ``length``
-    still gives the same result, with XLA resharding the merged rows.
-    """
-    lead, inner = x.shape[: x.ndim - n], x.shape[x.ndim - n :]
-    k, out = math.prod(inner), w.shape[n:]
-    y = x.reshape(-1, k) @ w.reshape(k, math.prod(out))
-    return y.reshape(*lead, *out)
 
 
 def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -204,33 +164,6 @@ def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: ja
     return constrain(x + dropout(mlp, cfg.dropout, k_mlp), ("batch", "length", "embed"))
 
 
-UNROLL_LAYERS_CPU = 8  # scan_unroll 0 on CPU: stacks up to this deep run without a loop
-
-
-def scan_unroll(cfg: TransformerConfig) -> int:
-    """Layers per iteration of the layer scan: ``scan_unroll``, or for 0 the backend's choice.
-
-    On XLA:CPU each scan iteration costs more than its loop bookkeeping: the residuals the
-    backward pass reads are stacked over ``layers`` (zero-filled, written and sliced per
-    iteration, copied), and the weights are sliced out of their stacks; for the quickstart
-    (2 layers) that was a third of the step. Unrolled, the layers are straight-line code whose
-    weight-gradient all-reduces XLA can also combine. Compile time grows with depth, so only
-    stacks up to ``UNROLL_LAYERS_CPU`` layers are unrolled. On accelerators 1: the loop's
-    bookkeeping is cheap next to the layer there, and compile time matters more.
-    """
-    if cfg.scan_unroll:
-        return min(cfg.scan_unroll, cfg.n_layers)
-    # remat's saving needs the loop: in straight-line layers XLA:CPU keeps (most of) the
-    # activations remat would drop (quickstart at 8 layers, remat full: 50 MiB temp unrolled,
-    # 18 MiB in the loop; none: 78 MiB unrolled).
-    # A name-based policy set by the step (activation offload, meshpar.models.remat.keeping)
-    # needs the loop as much.
-    remat_on = cfg.remat != "none" or remat_lib.kept() is not None
-    if layout_lib.platform() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:
-        return cfg.n_layers
-    return 1
-
-
 class Blocks(nnx.Module):
     """All `n_layers` layers, every parameter stacked along a leading ``layers`` dim."""
 
@@ -238,34 +171,17 @@ class Blocks(nnx.Module):
         n, d, h, k, f = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_ff
         pd = DTYPES[cfg.param_dtype]
         self.cfg = cfg
-        self.attn_norm = _ones((n, d), ("layers", "embed"), pd)
+        self.attn_norm = ones((n, d), ("layers", "embed"), pd)
         qkv = ((n, d, h, k), ("layers", "embed", "heads", "kv"), d**-0.5, pd)
-        self.wq, self.wk, self.wv = _param(rngs, *qkv), _param(rngs, *qkv), _param(rngs, *qkv)
-        self.wo = _param(rngs, (n, h, k, d), ("layers", "heads", "kv", "embed"), (h * k) ** -0.5, pd)
-        self.mlp_norm = _ones((n, d), ("layers", "embed"), pd)
-        self.w_in = _param(rngs, (n, d, f), ("layers", "embed", "d_ff"), d**-0.5, pd)
-        self.w_out = _param(rngs, (n, f, d), ("layers", "d_ff", "embed"), f**-0.5, pd)
+        self.wq, self.wk, self.wv = param(rngs, *qkv), param(rngs, *qkv), param(rngs, *qkv)
+        self.wo = param(rngs, (n, h, k, d), ("layers", "heads", "kv", "embed"), (h * k) ** -0.5, pd)
+        self.mlp_norm = ones((n, d), ("layers", "embed"), pd)
+        self.w_in = param(rngs, (n, d, f), ("layers", "embed", "d_ff"), d**-0.5, pd)
+        self.w_out = param(rngs, (n, f, d), ("layers", "d_ff", "embed"), f**-0.5, pd)
 
     def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-        cfg = self.cfg
         stacked = {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
-        keys = None if key is None else jax.random.split(key, cfg.n_layers)  # [layers] keys
-        # One layer, under model.remat's jax.checkpoint policy: the scan body and the unrolled
-        # loop run the same function.
-        unroll = scan_unroll(cfg)
-        looped = cfg.scan_layers and unroll < cfg.n_layers  # a full unroll leaves no loop
-        layer = remat_lib.checkpointed(functools.partial(block, cfg), cfg.remat, in_scan=looped)
-        if cfg.scan_layers:
-            def body(carry, xs):
-                p, k = xs
-                return layer(p, carry, k), None
-
-            x, _ = jax.lax.scan(body, x, (stacked, keys), unroll=unroll)
-            return x
-        for i in range(cfg.n_layers):
-            p = {name: w[i] for name, w in stacked.items()}
-            x = layer(p, x, None if keys is None else keys[i])
-        return x
+        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), stacked, x, key)
 
 
 class Transformer(nnx.Module):
@@ -280,13 +196,13 @@ class Transformer(nnx.Module):
             raise ValueError(f"dropout must be in [0, 1), got {cfg.dropout}")
         d, v, pd = cfg.d_model, cfg.vocab_size, DTYPES[cfg.param_dtype]
         self.cfg = cfg
-        self.embed = _param(rngs, (v, d), ("vocab", "embed"), 1.0, pd)
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), 1.0, pd)
         if cfg.positions == "learned":
-            self.pos = _param(rngs, (cfg.max_length, d), ("length", "embed"), 1.0, pd)
+            self.pos = param(rngs, (cfg.max_length, d), ("length", "embed"), 1.0, pd)
         self.blocks = Blocks(cfg, rngs=rngs)
-        self.final_norm = _ones((d,), ("embed",), pd)
+        self.final_norm = ones((d,), ("embed",), pd)
         if not cfg.tie_embeddings:
-            self.unembed = _param(rngs, (d, v), ("embed", "vocab"), d**-0.5, pd)
+            self.unembed = param(rngs, (d, v), ("embed", "vocab"), d**-0.5, pd)
 
     def __call__(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         """``inputs`` int [batch, length] → logits float32 [batch, length, vocab]."""
@@ -306,31 +222,8 @@ class Transformer(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))  # [batch, length, vocab]
 
     def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
-        """Mean cross-entropy (nats, float32) of each window's next tokens; plus accuracy.
-
-        ``batch["tokens"]`` ``[batch, length + 1]`` (token ids, in the narrowest dtype that holds
-        the vocabulary: uint8 for bytes) is all the host sends; inputs (its first ``length``
-        tokens) and targets (its last ``length``) are cut here, on the devices, and widened to
-        int32. The window dim is unnamed, so never split: ``length + 1`` does not divide by the
-        mesh axis a layout may split ``length`` over, so each device holds its rows' whole
-        windows (a byte per token) and cuts its own part of ``length`` from them locally.
-        """
-        tokens = constrain(batch["tokens"], ("batch", None))  # [batch, length + 1]
-        inputs = constrain(tokens[:, :-1].astype(jnp.int32), ("batch", "length"))  # [batch, length]
-        targets = constrain(tokens[:, 1:].astype(jnp.int32), ("batch", "length"))  # [batch, length]
-        logits = self(inputs, rngs)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-        accuracy = (logits.argmax(-1) == targets).mean()
-        return loss, {"accuracy": accuracy}
-
-
-def window_length(element_spec: dict) -> int:
-    """The sequence length the data's ``tokens [length + 1]`` windows give: inputs and targets
-    are ``length`` tokens each."""
-    (window,), _ = element_spec["tokens"]
-    if window < 2:
-        raise ValueError(f"token windows of {window} hold no (input, target) pair; they need length + 1 >= 2")
-    return window - 1
+        """Mean next-token cross-entropy and accuracy (:func:`meshpar.models.layers.next_token_loss`)."""
+        return layers.next_token_loss(lambda inputs: self(inputs, rngs), batch)
 
 
 def build(cfg: TransformerConfig, element_spec: dict, rngs: nnx.Rngs) -> Transformer:
@@ -377,15 +270,8 @@ SPLIT_DIMS = ("heads", "d_ff", "vocab")
 # shards every weight once.
 FSDP_DIMS = ("embed",)
 
-# offload.activations → the names (checkpoint_name tags) each layer keeps in host memory
-# (attn_out is never a residual: the residual add's backward does not read it). layer_in is the
-# layer loop's carry: the step moves it to host memory, but offloading a loop's carry is known
-# to free nothing on the device (jax-ml/jax#23869).
-ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "layer_outputs": ("layer_in", "attn_residual"),
-    "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "attn_out", "mlp_hidden"),
-}
+ACTIVATION_NAMES = layers.ACTIVATION_NAMES
+activation_all_reduces = layers.activation_all_reduces
 
 
 def split_dims(cfg: TransformerConfig) -> tuple[str, ...]:
@@ -394,20 +280,6 @@ def split_dims(cfg: TransformerConfig) -> tuple[str, ...]:
 
 def fsdp_dims(cfg: TransformerConfig, element_spec: dict) -> tuple[str, ...]:
     return FSDP_DIMS
-
-
-def activation_all_reduces(
-    cfg: TransformerConfig, element_spec: dict, rows: int, dims: tuple[str, ...]
-) -> tuple[int, int]:
-    """(count, elements each) of the all-reduces over the model axis per step, for `rows` batch
-    rows per device with `dims` split over it (Megatron): each split sublayer (attention by
-    ``heads``, the MLP by ``d_ff``) sums its output forward and its input's gradient backward,
-    and once more under ``remat: full`` (the recomputed forward); the ``vocab``-split output sums
-    the gradient of its input once. Each is ``[rows, length, embed]``."""
-    sublayers = ("heads" in dims) + ("d_ff" in dims)
-    per_layer = sublayers * (3 if cfg.remat == "full" else 2)
-    count = per_layer * cfg.n_layers + ("vocab" in dims)
-    return count, rows * window_length(element_spec) * cfg.d_model
 
 
 def num_layers(cfg: TransformerConfig) -> int:

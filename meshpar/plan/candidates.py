@@ -245,7 +245,7 @@ def candidates(
     shape = dict(mesh.shape)
     batch_axes = cost.batch_axes(cfg.layout)
     params = param_dims(abstract_params)
-    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed) if element_spec is None else element_spec
+    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from) if element_spec is None else element_spec
     skip = skipped.append if skipped is not None else (lambda item: None)
     k0 = cfg.train.microbatches
     micro = [None, *(k0 * f for f in FACTORS)]
@@ -291,8 +291,7 @@ def _state_bytes(cfg: Config, mesh: jax.sharding.Mesh, abstract_state) -> int:
     """Parameters + optimizer state (+ step, RNG key) on one device under `cfg`'s layout: exact,
     from the shardings alone (optimizer state offloaded to host memory not counted). Raises
     LayoutError when a parameter's split dims do not divide."""
-    layout = layout_lib.Layout.create(cfg.layout, dict(mesh.shape), params=cfg.param_layout)
-    params_layout = layout.params
+    params_layout = parts.layout_for(cfg, dict(mesh.shape)).params
     trainer.check_params(abstract_state.params, params_layout)
     shardings = trainer.tree_shardings(abstract_state, params_layout, mesh)
     if getattr(getattr(cfg, "offload", None), "optimizer", False):  # in host memory: not the device's

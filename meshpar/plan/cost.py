@@ -265,7 +265,7 @@ def process_batch_bytes(cfg: Config) -> int:
     """Bytes of the batch one process places per step: its share of ``train.batch_size``
     examples (processes split the batch evenly) × the bytes of one example."""
     rows = cfg.train.batch_size // cfg.distributed.num_processes
-    return rows * example_bytes(inputs.element_spec(cfg.data, cfg.train.seed))
+    return rows * example_bytes(inputs.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +299,7 @@ def config_split(cfg: Config, topo) -> Split:
     if n > topo.num_devices:
         raise ConfigError("mesh", f"needs {n} devices; topology {topo.name} has {topo.num_devices}")
     shards = math.prod(axes.get(a, 1) for a in batch_axes(cfg.layout))
-    spec = inputs.element_spec(cfg.data, cfg.train.seed)
+    spec = inputs.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
     rows = cfg.train.batch_size // cfg.distributed.num_processes
     slices = all(rows // shards * example_bytes({k: s}) % 64 == 0 for k, s in spec.items())
     reuse = cfg.feed.reuse_buffers

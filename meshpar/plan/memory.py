@@ -44,59 +44,95 @@ feeding), in bytes:
     body hands it out).
 
   Residuals that are the arguments (parameters, batch) are counted in their own categories.
-  Each is labelled by the ``checkpoint_name`` tag the model gave it, where it has one.
+  Each is labelled by the ``checkpoint_name`` tag the model gave it, where it has one. A
+  residual the forward casts to a wider dtype (a bfloat16 matmul's output computed on in
+  float32: the logits) gets its cotangent back in that dtype (``Residual.cot``).
 
-  **Gathered parameters** (``param_layout``; :func:`_gathers`): a parameter stored on a smaller
+  **Gathered parameters** (``param_layout``; :func:`meshpar.plan.gathers.gathers`): a parameter stored on a smaller
   shard than compute uses (its shard in the activation layout) is gathered into a buffer of its
-  own. A parameter the backward reads (a residual that is a parameter) keeps that gathered copy
+  own, in the dtype the forward computes with it (``use`` casts it where it is stored, then
+  gathers the cast). A parameter the backward reads (a residual that is a parameter) keeps that gathered copy
   for it: the forward's copy as a residual, or under ``model.remat`` a second gather by the
   recomputed forward (XLA does not merge the two). Outside the layer loop XLA schedules these
   gathers, which read only arguments, at the step's start, so every pass's copies of those
   parameters are live at once, plus one more copy of the largest gathered along a dim after its
   leading one (gathered in a transposed layout, then copied back); with microbatches they leave
   the accumulation loop and stay live through it. Inside the layer loop each layer's copy is
-  gathered in its iteration (a residual of every layer under ``remat: none``). When the layer
-  loop runs as a loop, the stacked parameters are gathered along a dim after ``layers``: XLA
+  gathered in its iteration (a residual of every layer under ``remat: none``; without
+  ``param_layout``, a layer loop of more than one layer unrolled under ``remat: none`` likewise
+  writes out each layer's slice of a stacked weight the backward reads, a residual of every
+  layer: one layer's slice is the stack itself). When the layer loop runs as a loop, the
+  stacked parameters are gathered along a dim after ``layers``: XLA
   copies each whole stack, at its stored shard, into the transposed layout once, outside the
-  loops (live through the backward), and under ``model.remat`` the backward's iteration holds
-  that layer's gathered copies (``Gathers.loop``, in the backward phase). When it is unrolled,
+  loops (live through the backward; XLA:GPU only a stack gathered along a dim after a layer's
+  leading one), and under ``model.remat`` the backward's iteration holds that layer's gathered
+  copies (``Gathers.loop`` and ``Gathers.iteration``, in the backward phase); without
+  ``param_layout`` it holds the layer's slices of the stacks its matmuls read, written out. When it is unrolled,
   under ``model.remat`` and with microbatches: ``Gathers.layers`` (the backward phase, below).
 * ``workspace`` (estimate) — what the step's peak holds beyond gradients and activations. The
   step's working set is the largest of three phases, not a sum of categories:
 
   - gather (``param_layout`` only): every gathered copy of the parameters outside the layer
     loop and the transposed-layout copy (above), at the step's start;
-  - backward (:func:`_backward_walk`): the most held at once walking the forward's program order
-    in reverse, as the backward runs: the residuals die in reverse order (each after the op
-    that reads it) while the gradients are produced (each at its parameter's last use in the
-    forward). At each kept residual: every residual made up to it, plus its cotangent (a
-    cotangent has its value's shape; it exists while the op that saved the residual is
-    differentiated); at each parameter's last use: the residuals made before it plus that op's
-    output as cotangent (a loop's: its largest per-iteration residual, its stacks still live).
-    Gradients held together (see ``grads``; those of gathered parameters outside the layer loop
-    at their compute shard, until reduced) count from where each is produced on; one at a time,
-    each only where it is produced, with what applying it holds (the update below) when there
-    are no microbatches (with them it is added to the running sum, held throughout). Plus under
-    ``model.remat`` one layer's recomputed residuals (what ``remat: none`` keeps per layer-loop
-    iteration less what the policy keeps per iteration). In a layer loop that runs as a loop,
-    the backward's iteration reads its residuals as slices of their stacks: one a matmul reads,
-    or more than one op reads, is written out (a dynamic slice fuses into one elementwise
-    consumer only), so one iteration's such slices are held besides the stacks, counted on the
-    traced backward loop's body (:func:`meshpar.plan.residuals.backward_slices`; under ``model.remat`` the body also
+  - backward (:func:`meshpar.plan.backward.walk`): the most held at once walking the forward's
+    program order in reverse, as the backward runs: the residuals die in reverse order (each
+    after the op that reads it) while the gradients are produced (each at its parameter's last
+    use in the forward). At each kept residual: every residual made up to it, plus its
+    cotangent (a cotangent has its value's shape; it exists while the op that saved the
+    residual is differentiated); at each parameter's last use: the residuals made before it
+    plus that op's output as cotangent (a loop's: its largest per-iteration residual, its
+    stacks still live). A gathered parameter the backward reads (above) is such a residual,
+    made where the forward reads it. Gradients are produced in the dtype the forward reads
+    their parameters in (the compute dtype where ``use`` casts them) and, held together, count
+    from where each is produced on (:func:`meshpar.plan.gradients.held`: whole at its compute
+    shard until reduced; a stacked parameter's of a layer loop that runs as a loop, its stack
+    at the stored shard); one at a time, each only where it is produced, with what applying it holds (the update below) when
+    there are no microbatches (with them it is added to the running sum, held throughout).
+    Two kinds are accumulated into buffers XLA zeroes before the backward begins, so they are
+    held from its first step (:func:`meshpar.plan.gradients.accumulated`): a parameter a gather
+    reads (the embedding: the gather's gradient adds the rows' cotangents into a zeroed table
+    of the parameter's shape; XLA:GPU zeroes it that early only where the table's gradient is
+    reduce-scattered, else where it is added to) and, in a layer loop that runs as a loop,
+    every stacked parameter (each layer's gradient written into a zeroed stack, the loop's
+    output). A parameter the forward reads as several values (tied embeddings: the table
+    gathered and multiplied by, each through its own ``use``) has a gradient part for each,
+    each reduced on its own, added after. On XLA:CPU the weight gradient of a matmul whose
+    output has more than two dims (the logits' ``[batch, length, vocab]``) contracts the
+    cotangent over several dims, and XLA:CPU's matmuls read that operand written out
+    transposed: a second copy of the cotangent beside it.
+    Where the walk reaches the layer loop (every output of the loop is made at the loop's one
+    place), one backward iteration's extras (``loops``): under ``model.remat`` the layer's
+    recomputed residuals (what ``remat: none`` keeps per layer-loop iteration less what the
+    policy keeps per iteration) with its gathered weights or its slices of the weight stacks —
+    or, once those have died at the iteration's end, the layer's gradients and their reduced
+    copies (:func:`meshpar.plan.gradients.update_phase`), whichever is larger. Gradients held
+    together that the loop produces count every layer's by then, the last iteration's one
+    weight at a time beside its extras (the largest layer gradient), or all of that layer's
+    once they have died. In a layer loop that runs as a loop, the backward's iteration reads its
+    residuals as slices of their stacks: one a matmul reads, or more than one op reads, is
+    written out (a dynamic slice fuses into one elementwise consumer only), so one iteration's
+    such slices are held besides the stacks, counted on the traced backward loop's body
+    (:func:`meshpar.plan.residuals.backward_slices`; under ``model.remat`` the body also
     recomputes, and the residuals a matmul reads are counted instead: ``residuals.Residual.sliced``);
-  - update: the gradients as the backward produces them (each parameter at its shard in the
-    activation layout), plus a second, reduced copy of every gradient the devices must sum (a
-    parameter not split over every mesh axis the batch is split on: data parallel's
+  - update (:func:`meshpar.plan.gradients.update_phase`): the gradients as the backward
+    produces them (each parameter at its shard in the activation layout, in the dtype the
+    forward reads it in), plus a second, reduced copy of every gradient the devices must sum
+    (a parameter not split over every mesh axis the batch is split on: data parallel's
     all-reduce) or re-place (``param_layout``: reduce-scattered to its own shard; XLA:CPU has
-    no reduce-scatter and all-reduces the whole gradient before slicing it, so outside the
-    layer loop the copy there is the compute shard), plus with microbatches the float32
-    running sum; when the gradients are not needed together (see ``grads``), the largest
+    no reduce-scatter and all-reduces the whole gradient before slicing it, so the copy there
+    is the compute shard, a stacked parameter's too where the layer loop is unrolled, each
+    layer's whole gradient held until then), plus with microbatches the float32
+    running sum — but a stacked parameter of a layer loop that runs as a loop has its stack
+    alone, at its stored shard: the backward loop reduces each layer's gradient in its
+    iteration and writes it into the stack (the iteration's copies count in the backward
+    phase); when the gradients are not needed together (see ``grads``), the largest
     gradient alone, plus the running sum, plus what one leaf's update holds beyond its gradient
-    and its state (:func:`_update_copies`, traced from the optimizer's own update at one leaf's
-    shape: each function of the gradient alone that both the update and the gradient-norm metric
-    compute, AdamW's square of the gradient, which XLA computes once and writes out for the
-    reduction and the update's fusion to read; the largest leaf's). Held together, the reduced
-    copies free the unreduced gradients' room before the updates run, and nothing is added.
+    and its state (:func:`meshpar.plan.gradients.update_copies`, traced from the optimizer's own
+    update at one leaf's shape: each function of the gradient alone that both the update and
+    the gradient-norm metric compute, AdamW's square of the gradient, which XLA computes once
+    and writes out for the reduction and the update's fusion to read; the largest leaf's). Held
+    together, the reduced copies free the unreduced gradients' room before the updates run, and
+    nothing is added.
 
   With microbatches the backward phase also holds the batch's microbatch-major copy (the
   accumulation loop's input: splitting rows i, i + k, … into microbatch i is a transpose, which
@@ -154,7 +190,10 @@ moves bytes from these device categories to ``Breakdown.host``, per device, in p
   out stacked (the rules above), and attention is the kernel the target gets (cuDNN's fused
   attention for bfloat16 where jax's checks allow it: no probabilities kept). On every platform
   the layer the backward recomputes under ``model.remat`` is traced as straight-line code (what
-  ``remat: none`` keeps within fusion's reach): one iteration's, not a loop's stacks;
+  ``remat: none`` keeps within fusion's reach): one iteration's, not a loop's stacks. XLA:GPU's
+  fusion counts float32 and float16 ``exp``, divide, ``sqrt`` and ``rsqrt`` cheap and
+  recomputes them in every consumer (:data:`meshpar.plan.residuals.GPU_CHEAP`): the
+  cross-entropy keeps the logits, not their exponentials;
 * **matmul scratch**: beside a running matmul's operands and output, its GEMM writes buffers of
   its own — under cuBLAS (``xla_gpu_enable_triton_gemm`` off) a workspace, the ``s8`` second
   element of each ``__cublas$lt$matmul``'s result (4 MiB in jaxlib 0.10 on every compute
@@ -168,12 +207,18 @@ moves bytes from these device categories to ``Breakdown.host``, per device, in p
   the backward of each place (a layer loop: every matmul of its body, and the body's own under
   recomputation) compiled alone for the target device with the step's compiler options, the
   GEMM's buffers read from the compiled program;
-* collectives: the data-parallel gradients are summed by one combined all-reduce (concatenated,
-  and the summed result: two copies, as above); a gradient ``param_layout`` re-places outside
-  the layer loop is all-reduced whole, then sliced (the combining comes before any could become
-  a reduce-scatter), as on XLA:CPU; the gradient of a stacked parameter of a layer loop that
-  runs as a loop, cast from the compute dtype to its own, is summed before the cast, a layer at
-  a time inside the backward loop, into the stack: no second copy;
+* collectives: the data-parallel gradients are summed by combined all-reduces (concatenated,
+  and the summed result: two copies, as above), each combination up to XLA's combine threshold
+  (:data:`meshpar.plan.gradients.COMBINE_THRESHOLD`, or the compiler option
+  ``xla_gpu_all_reduce_combine_threshold_bytes``); a gradient that large is all-reduced alone,
+  in place: one copy. A gradient ``param_layout`` re-places outside the layer loop is reduced
+  alone, whole at its compute shard (a reduce-scatter, or an all-reduce in place where the
+  gradient norm reads the whole sum), beside its stored shard: no second whole copy. The
+  gradient of a stacked parameter of a layer loop that runs as a loop is reduced in the
+  compute dtype, a layer at a time inside the backward loop, into the stack (as on XLA:CPU);
+* the weight gradient of a matmul outside the layer loop after it (the output projection's)
+  is computed after the backward's layer loop, next to its reduction: its cotangent (the
+  logits', in the compute dtype) is held through the loop instead, and at the end both;
 * gathered parameters (``param_layout``) are gathered where each pass uses them (XLA:GPU's
   latency-hiding scheduler), so one pass's copies at a time, and the transposed layout is the
   stored shard transposed before the gather (the ``relayout`` copy is the shard's size);
@@ -209,11 +254,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import aot, jaxprs, parts, trainer
+from meshpar import aot, parts, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
 from meshpar.models import MODELS
-from meshpar.plan import cost, gemm, offload_plan, programs, residuals, shapes
+from meshpar.plan import backward as backward_phase
+from meshpar.plan import cost, gathers, gemm, gradients, offload_plan, programs, residuals, shapes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
@@ -265,7 +311,7 @@ def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None,
 def saved_activations(
     cfg: Config, step: parts.AbstractStep, remat: str | None = None, read: set[int] | None = None,
     uses: dict | None = None, slices: list | None = None, casts: list | None = None, unrolled: bool = False,
-    matmuls_at: dict | None = None,
+    matmuls_at: dict | None = None, dtypes: dict | None = None,
 ) -> list[residuals.Residual]:
     """What one device keeps for the backward pass of one microbatch
     (:func:`meshpar.plan.residuals.kept_residuals` of the model's loss at per-device shapes, no
@@ -277,12 +323,14 @@ def saved_activations(
     (:func:`meshpar.plan.residuals.backward_slices`); `casts`, the parameters' widening casts
     that are not residuals. `unrolled`: trace the layer loop as straight-line code (every layer
     in one iteration), as the backward recomputes one layer under remat, within fusion's reach.
-    `matmuls_at`: the matmuls each place in the forward's program order runs
-    (:func:`meshpar.plan.residuals.kept_residuals`)."""
+    `matmuls_at`: the matmuls each place in the forward's program order runs; `dtypes`, the dtype
+    the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.residuals.kept_residuals`)."""
     loss, params = _local_loss(cfg, step, remat, unrolled)
     local = shapes.device_batch(cfg, step)
     with shapes.on_target(step):  # the layer loop's form and the attention kernel the target's
-        kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at)
+        cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
+        kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
+                                        dtypes=dtypes, cheap=cheap)  # fmt: skip
         if slices is not None and any(r.rolled for r in kept):
             slices.append(residuals.backward_slices(loss, params, local))
     return kept
@@ -313,214 +361,6 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     return None
 
 
-def _loop_iteration(residuals: list[residuals.Residual]) -> int:
-    """Bytes of one iteration of the layer loop: the per-iteration residuals of the largest loop
-    (a stack of one layer is a loop of one iteration: its residuals are that iteration's)."""
-    loops: dict[int, int] = {}
-    for r in residuals:
-        if r.loop:
-            loops[r.copies] = loops.get(r.copies, 0) + r.nbytes
-    return max(loops.values(), default=0)
-
-
-def _backward_walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: int | None, apply: dict,
-                   scratch: dict | None = None) -> int:  # fmt: skip
-    """The most the backward pass holds of residuals, cotangents and gradients at once, walking
-    the forward's program order in reverse (see the module docstring): at each kept residual the
-    residuals made up to there and its cotangent; at each parameter's last use (where its
-    gradient is produced) the residuals made before it and that op's cotangent. `together`:
-    the gradients' bytes when they are all held to the end (each held from its production on,
-    in proportion to its traced bytes), None when each is applied as it is produced (then
-    `apply`: parameter leaf -> what applying its gradient holds, the gradient included).
-    `scratch`: place -> the partial results the backward's matmuls there hold beside their
-    operands and outputs (:func:`meshpar.plan.gemm.matmul_scratch`; XLA:GPU's Triton GEMMs)."""
-    scratch = scratch or {}
-    made: dict[int, int] = {}  # place -> bytes of the residuals made there
-    cots: dict[int, int] = {}
-    for r in kept:
-        made[r.at] = made.get(r.at, 0) + r.total
-        cots[r.at] = max(cots.get(r.at, 0), r.nbytes)
-    grads = {i: u for i, u in uses.items() if i < nparams}
-    scale = together / max(sum(u[2] for u in grads.values()), 1) if together is not None else 0.0
-    places = sorted(set(made) | {u[0] for u in grads.values()}, reverse=True)
-    before = sum(made.values())  # residuals made before the place being walked
-    produced, peak = 0, together or 0
-    for p in places:
-        here = made.get(p, 0)
-        before -= here
-        born = [i for i, u in grads.items() if u[0] == p]
-        produced += sum(grads[i][2] for i in born)
-        held = produced * scale
-        if here:  # its residuals read: their cotangent live, and every residual made before
-            peak = max(peak, before + here + cots[p] + held + scratch.get(p, 0))
-        for i in born:  # the gradient produced: the op's cotangent (a loop's: its largest residual's, its stacks live)
-            _, cot, own = grads[i]
-            live = before + (here if cot is None else 0) + (cots.get(p, 0) if cot is None else cot)
-            peak = max(peak, live + (held if together is not None else apply.get(i, own)) + scratch.get(p, 0))
-    return int(peak)
-
-
-def _unary_of_first(fn, *avals) -> set:
-    """The elementwise ops `fn` applies to its first argument alone (a square in either spelling
-    is one op: XLA lowers both to the same multiply)."""
-    jaxpr = jax.make_jaxpr(fn)(*avals).jaxpr
-    g, found = jaxpr.invars[0], set()
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not jaxprs.is_literal(v)]
-        if not jaxprs.is_cheap(eqn) and jaxprs.op(eqn) not in ("sqrt", "exp", "log", "abs") or ins != [g] * len(ins) or not ins:
-            continue
-        name, y = jaxprs.op(eqn), eqn.params.get("y")
-        if name == "square" or (name == "integer_pow" and y == 2) or (name == "mul" and len(ins) == 2):
-            found.add("square")
-        elif not (name == "integer_pow" and y == 1):
-            found.add((name, str(sorted(eqn.params.items()))))
-    return found
-
-
-@functools.cache
-def _update_copies(tx, shape: tuple, dtype) -> int:
-    """Leaf-sized values one leaf's update holds beyond its gradient and its state: each function
-    of the gradient alone that both the optimizer's update and the gradient-norm metric compute
-    (AdamW's square of the gradient): XLA computes it once, and a reduction and the update's
-    fusion both read it, so it is written out. Traced at one leaf's shape."""
-    import optax
-
-    leaf = jax.ShapeDtypeStruct(shape, dtype)
-    state = jax.eval_shape(tx.init, leaf)
-    update = _unary_of_first(lambda g, p, s: optax.apply_updates(p, tx.update(g, s, p)[0]), leaf, leaf, state)
-    return len(update & _unary_of_first(optax.tree.norm, leaf))
-
-
-def _update_extra(cfg: Config, step: parts.AbstractStep, uses: dict) -> dict:
-    """Parameter leaf -> the bytes its update holds beyond its gradient (:func:`_update_copies`),
-    at the shape the backward produces the gradient in."""
-    tx = step.tx or trainer.make_optimizer(cfg.optimizer, max(cfg.train.steps, 1))  # the schedule does not matter here
-    leaves = jax.tree.leaves(shapes.local_params(step.args[0].params, step.layout, step.mesh))
-    return {i: _update_copies(tx, tuple(a.shape), a.dtype) * residuals.nbytes(a) for i, a in enumerate(leaves)}
-
-
-def _update_phase(cfg: Config, step: parts.AbstractStep, rolled: bool = False) -> int:
-    """Bytes the update phase holds beyond the state (see the module docstring): every gradient
-    at its activation-layout shard, and a reduced copy where the devices must sum or re-place it
-    — but on XLA:GPU for a stacked (``layers``) parameter of a layer loop that runs as a loop
-    (`rolled`) whose gradient is cast to its own dtype from the compute dtype: the partitioner
-    sums it before the cast, inside the backward loop, one layer at a time, into the stack. On
-    XLA:GPU with microbatches, the float32 running sum in the parameters' shardings (each
-    microbatch's gradient re-placed inside the accumulation loop: a reduce-scatter there), and
-    a summed copy of it where the devices must sum it (the combined all-reduce's output)."""
-    compute = getattr(cfg.model, "compute_dtype", None)
-    plan, (_, batch, _) = step.plan, step.args
-    batch_axes = set()
-    for b in batch.values():
-        batch_axes |= set(jax.tree.leaves(tuple(b.sharding.spec)[:1]))
-    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    gpu = _platform(step) == "gpu"
-    total, accumulated = 0, cfg.train.microbatches > 1 and gpu
-    for var, act, own in zip(variables, shapes.act_shardings(plan.abstract.params, step.layout, step.mesh),
-                             jax.tree.leaves(plan.shardings.params)):  # fmt: skip
-        a, dims = var.get_value(), var.get_metadata().get("dims") or ()
-        computed = math.prod(act.shard_shape(a.shape)) * a.dtype.itemsize
-        placed = math.prod(own.shard_shape(a.shape)) * a.dtype.itemsize
-        summed = not batch_axes <= set(jax.tree.leaves(tuple(act.spec)))
-        if accumulated:  # the running sum, and its all-reduced copy
-            total += math.prod(own.shard_shape(a.shape)) * 4 * (2 if summed and own.spec == act.spec else 1)  # float32
-            continue
-        if own.spec != act.spec and computed > placed and not (dims and dims[0] == "layers"):
-            # XLA:CPU has no reduce-scatter, and XLA:GPU combines the gradients' all-reduces into one
-            # (a concatenation) before any could become a reduce-scatter: each reduces the whole gradient, then slices
-            placed = computed
-        cast = compute is not None and jnp.dtype(compute) != a.dtype
-        if gpu and rolled and cast and dims and dims[0] == "layers" and own.spec == act.spec:
-            summed = False  # reduced layer by layer in the loop (before the cast), not as a whole afterwards
-        total += computed + (placed if summed or own.spec != act.spec else 0)
-    return total
-
-
-def _platform(step: parts.AbstractStep) -> str:
-    """The platform the step is compiled for (``cpu``, ``gpu``, ``tpu``): its mesh's devices'."""
-    return step.mesh.devices.flat[0].platform
-
-
-def _cpu(step: parts.AbstractStep) -> bool:
-    return _platform(step) == "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class Gathers:
-    """What gathering the parameters that ``param_layout`` stores split but compute uses whole
-    costs one device, in bytes (see the module docstring)."""
-
-    kept: int  # the gathered copies the backward reads, held for it (a residual, or re-gathered under remat)
-    copies: int  # every pass's copies of the parameters outside the layer loop
-    rest: int  # those of `copies` not in `kept`
-    relayout: int  # the largest one gathered along a later dim, once more (its transposed layout)
-    grads: int  # the backward's gradients beyond their stored shards (outside the layer loop)
-    # a layer loop that runs as a loop: its stacked parameters' transposed-layout copy (hoisted out
-    # of the loops: every layer at its stored shard), and under remat one layer's gathered copies
-    loop: int = 0
-    # a layer loop unrolled, under remat: every layer's forward copy (it reads only arguments) and
-    # one layer's copies the backward gathers again (behind remat's barrier, in its iteration)
-    layers: int = 0
-
-
-def _gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool = False) -> Gathers:
-    """The gathered copies of the parameters stored smaller than compute uses them (``param_layout``),
-    from their shardings; `read`: the parameter leaves the backward reads (:func:`saved_activations`);
-    `rolled`: the layer loop runs as a loop."""
-    plan, gpu = step.plan, _platform(step) == "gpu"
-    remat = getattr(cfg.model, "remat", "none") != "none"
-    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    kept = forward = again = relayout = grads = outside = loop = layers = 0
-    for i, (var, act, own) in enumerate(zip(variables, shapes.act_shardings(plan.abstract.params, step.layout, step.mesh),
-                                            jax.tree.leaves(plan.shardings.params))):  # fmt: skip
-        a, dims = var.get_value(), var.get_metadata().get("dims") or ()
-        used, stored = (math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for s in (act, own))
-        if used <= stored:
-            continue  # not gathered
-        if dims and dims[0] == "layers":  # gathered one layer at a time inside the layer loop
-            kept += used if i in read and not remat else 0  # each layer's copy a residual
-            if rolled:  # gathered along a dim after `layers`: the whole stack relaid out once, then per layer
-                loop += stored + (used // a.shape[0] if remat else 0)
-            elif remat:
-                layers += used + (used // a.shape[0] if i in read else 0)
-            continue
-        forward += used
-        grads += used - stored
-        if i in read:
-            kept, outside = kept + used, outside + used
-            again += used if remat else 0  # the recomputed forward gathers it again
-        # gathered along a dim after the leading one: XLA gathers it in a transposed layout, then copies it back
-        shard = own.shard_shape(a.shape)
-        lead = next((d for d, n in enumerate(a.shape) if n > 1), 0)
-        if any(s != n for d, (s, n) in enumerate(zip(shard, act.shard_shape(a.shape))) if d > lead):
-            relayout = max(relayout, stored if gpu else used)
-    if gpu and cfg.train.microbatches == 1:  # gathered where each pass uses it: one pass's copies at a time
-        return Gathers(kept=kept, copies=forward, rest=forward - outside, relayout=relayout, grads=grads, loop=loop,
-                       layers=layers)  # fmt: skip
-    return Gathers(kept=kept, copies=forward + again, rest=forward + again - outside, relayout=relayout, grads=grads, loop=loop, layers=layers)
-
-
-def _gradients_together(cfg: Config, step: parts.AbstractStep) -> int | None:
-    """None when something needs every gradient at once: clipping by their global norm, or a sum
-    over devices (XLA combines the gradients' all-reduces into one) or a re-placement
-    (``param_layout``'s reduce-scatter); else the largest gradient (at its activation-layout
-    shard), the most the update holds: it updates each parameter from its own gradient as the
-    backward produces it, in the donated state's buffers, and the gradient dies there."""
-    plan, (_, batch, _) = step.plan, step.args
-    if getattr(cfg.optimizer, "grad_clip_norm", 0.0) > 0:
-        return None
-    batch_axes = set()
-    for b in batch.values():
-        batch_axes |= set(jax.tree.leaves(tuple(b.sharding.spec)[:1]))
-    largest = 0
-    for a, act, own in zip(jax.tree.leaves(plan.abstract.params), shapes.act_shardings(plan.abstract.params, step.layout, step.mesh),
-                           jax.tree.leaves(plan.shardings.params)):  # fmt: skip
-        if not batch_axes <= set(jax.tree.leaves(tuple(act.spec))) or own.spec != act.spec:
-            return None
-        largest = max(largest, math.prod(act.shard_shape(a.shape)) * a.dtype.itemsize)
-    return largest
-
-
 def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
     """The config's per-device memory by category (nothing allocated; the step is not compiled —
     for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
@@ -528,6 +368,7 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
     (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
     step = step or parts.abstract_step(cfg)
     plan, (_, batch, _) = step.plan, step.args
+    platform = shapes.platform(step)
     params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
     running_sum = 0
     if cfg.train.microbatches > 1:  # the float32 running sum, in the parameters' shardings
@@ -557,56 +398,86 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
     slices: list[int] = []  # a layer loop run as a loop: one backward iteration's slices of the stacks
     casts: list[int] = []  # the parameters' widening casts that are not residuals
     matmuls_at: dict = {}  # place -> the matmuls there (XLA:GPU's scratch beside them)
+    dtypes: dict = {}  # the parameters the forward casts, to the dtype it computes with them in
     kept = saved_activations(cfg, step, remat if place.activations != "none" else None, read=read, uses=uses,
-                             slices=slices if remat == "none" else None, casts=casts, matmuls_at=matmuls_at)
+                             slices=slices if remat == "none" else None, casts=casts, matmuls_at=matmuls_at,
+                             dtypes=dtypes)  # fmt: skip
     rolled = any(r.rolled for r in kept)  # the layer loop runs as a loop
-    gathered = _gathers(cfg, step, read, rolled)  # param_layout: stored split, used whole
+    gathered = gathers.gathers(cfg, step, read, rolled, dtypes)  # param_layout: stored split, used whole
     activations = sum(r.total for r in kept) + gathered.kept
     if place.params and remat == "none":  # every layer's fetched weights kept for the backward
         activations += (offload_plan.profile(cfg, step).layers - 1) * w.layer_compute
-    transient = _loop_iteration([r for r in kept if r.sliced])  # one iteration's slices a matmul reads
+    transient = backward_phase.loop_iteration([r for r in kept if r.sliced])  # one iteration's slices a matmul reads
     if slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
         transient = slices[0]
     if remat != "none":  # one layer's recomputed residuals, live during its backward
-        recomputed = _loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
-        transient += max(recomputed - _loop_iteration(kept), 0)
-    one_at_a_time = None if place.params else _gradients_together(cfg, step)
+        recomputed = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
+        transient += max(recomputed - backward_phase.loop_iteration(kept), 0)
+    one_at_a_time = None if place.params else gradients.one_at_a_time(cfg, step)
+    iteration = 0  # one backward layer-loop iteration's gradients, reduced into their stacks
     if one_at_a_time is None:
-        # on XLA:GPU the update phase holds the running sum in its place (see _update_phase)
-        held = 0 if _platform(step) == "gpu" else running_sum
-        update = _update_phase(cfg, step, rolled) + held + fetched
+        # on XLA:GPU the update phase holds the running sum in its place (see gradients.update_phase)
+        held = 0 if platform == "gpu" else running_sum
+        options = compiler_options or {}
+        threshold = options.get("xla_gpu_all_reduce_combine_threshold_bytes", gradients.COMBINE_THRESHOLD)
+        update, iteration = gradients.update_phase(cfg, step, uses, rolled, int(threshold), dtypes)
+        update += held + fetched
     else:  # each gradient applied as it is produced: one at a time (and the running sum)
         grads = running_sum + one_at_a_time
         update = grads + fetched
-    extra = _update_extra(cfg, step, uses)  # what each leaf's update holds beyond its gradient
+    extra = gradients.update_extra(cfg, step, uses)  # what each leaf's update holds beyond its gradient
+    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    accumulated = gradients.accumulated(step, uses, rolled)  # held from the backward's first step
+    held_grads = gradients.held(step, uses, rolled)
+    if place.params:  # one layer's gradient on the device at a time: the held bytes shared out as traced
+        traced = sum(u.nbytes for i, u in uses.items() if i < len(variables))
+        held_grads = {i: u.nbytes * (grads - running_sum + gathered.grads) // max(traced, 1) for i, u in uses.items()}
     if cfg.train.microbatches == 1:  # applied where the backward produces it, else after the accumulation
-        apply = {i: u[2] + extra.get(i, 0) for i, u in uses.items()}
+        apply = {i: (u.parts - (i in accumulated)) * u.nbytes + extra.get(i, 0) for i, u in uses.items()}
     else:
         apply = {}
     if one_at_a_time is not None:  # held together, the reduced copies' room is freed before the updates run
         update += max(extra.values(), default=0)
-    together = None if one_at_a_time is not None else grads - running_sum + gathered.grads
-    if cfg.train.microbatches > 1 and _platform(step) == "gpu":
+    early = sum(held_grads.get(i, 0) for i in accumulated)
+    if one_at_a_time is None:  # each part of a gradient held (a tied embedding's: the gather's and the matmul's)
+        shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held_grads}
+        together = {i: b * shares[i] for i, b in held_grads.items() if shares[i]}
+    else:
+        together = None
+    if cfg.train.microbatches > 1 and platform == "gpu":
         # each gradient is added to the running sum as it is produced, in place (the matmul's
         # accumulating epilogue); one re-placed to a smaller shard exists whole until reduce-scattered
         # the backward layer loop writes every stacked parameter's gradient into a stack of its own,
         # all live until the loop ends (its outputs), and only then added to the running sum
         # (re-placed ones reduce-scattered layer by layer into stacks at their own shard)
-        variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
         own = jax.tree.leaves(plan.shardings.params)
         act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
         stacks = {i: math.prod(own[i].shard_shape(v.get_value().shape)) * v.get_value().dtype.itemsize
-                  for i, v in enumerate(variables) if rolled and (v.get_metadata().get("dims") or ("",))[0] == "layers"}
+                  for i, v in enumerate(variables) if rolled and gradients.stacked(v)}  # fmt: skip
         stacked = sum(stacks.values())
         replaced = {i for i in range(len(own)) if own[i].spec != act[i].spec}
-        together, apply = None, {i: stacked if i in stacks else u[2] if i in replaced else 0 for i, u in uses.items()}
-    workspace, partials = gemm.matmul_scratch(step, matmuls_at, compiler_options) if _platform(step) == "gpu" else (0, {})
-    walk = _backward_walk(kept, uses, len(jax.tree.leaves(plan.abstract.params)), together, apply, partials)
-    backward = walk + activations - sum(r.total for r in kept) + running_sum + transient + gathered.loop + workspace
+        together, early = None, 0
+        apply = {i: stacked if i in stacks else u.nbytes if i in replaced else 0 for i, u in uses.items()}
+    workspace, partials = gemm.matmul_scratch(step, matmuls_at, compiler_options) if platform == "gpu" else (0, {})
+    # what one backward iteration of the layer loop holds beyond its residuals, where the walk
+    # reaches the loop (anywhere, without one): its recomputed residuals and gathered weights
+    # while it runs, or at its end, once those have died, its layer's gradients being reduced
+    during = max(transient + gathered.iteration, iteration)
+    loops = {r.at: during for r in kept if r.loop}
+    weights: dict = {}  # the weights the backward reads from copies of their own (gathered, or sliced), by place
+    for i, b in gathered.kept_by.items():
+        weights[uses[i].at] = weights.get(uses[i].at, 0) + b
+    late = set()
+    if platform == "gpu" and rolled:  # weight gradients of matmuls after the layer loop, run after its backward
+        late = {i for i, u in uses.items() if i < len(variables) and u.matmul and u.at > min(loops, default=u.at)}
+    walk = backward_phase.walk(kept, uses, len(variables), together, apply, partials, early, platform == "cpu", loops,
+                               weights, late)  # fmt: skip
+    backward = walk + activations - sum(r.total for r in kept) - gathered.kept + running_sum + gathered.loop + workspace
+    backward += 0 if loops else during
     if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
         backward += cfg.train.microbatches * sum(residuals.nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step)))
     if cfg.train.microbatches > 1:  # the gathers and casts leave the accumulation loop: every copy held through it
-        if _platform(step) == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
+        if platform == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
             backward += gathered.layers + sum(casts)
         else:
             backward += gathered.rest + gathered.layers + sum(casts)

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from meshpar import jaxprs
+
+# XLA:GPU's fusion counts these cheap in float32 and float16 (each one hardware instruction, or
+# nearly) and duplicates them into every consumer, where XLA:CPU keeps their outputs
+GPU_CHEAP = frozenset({"exp", "div", "sqrt", "rsqrt"})
 
 
 def nbytes(aval) -> int:
@@ -35,10 +40,27 @@ class Residual:
     rolled: bool = False  # handed out by a loop that runs as a loop (scan_unroll below its length)
     sliced: bool = False  # rolled, and a matmul reads it: the backward slices it out of its stack
     at: int = 0  # where the forward makes it, in the step's program order (a loop's residuals: the loop's place)
+    cot: int = 0  # bytes of its cotangent, where the forward widens it (a cast to a wider dtype); else 0: nbytes
 
     @property
     def total(self) -> int:
         return self.nbytes * self.copies
+
+
+class Use(NamedTuple):
+    """Where the backward produces one argument's gradient (see :func:`kept_residuals`)."""
+
+    at: int  # the place in program order of the last op that reads the argument
+    cot: int | None  # bytes of that op's largest output (its cotangent); None for a loop
+    nbytes: int  # the gradient's bytes as produced: the argument's, in the dtype the forward reads it in
+    scattered: bool = False  # a gather reads it: its gradient is added into a zeroed buffer of its shape
+    matmul: bool = False  # that op is a matmul: the gradient is its weight gradient
+    # ... and its output has more than two dims: the weight gradient contracts the cotangent over several
+    folded: bool = False
+    # the values the forward reads it as (each ``use`` relabels and casts it anew): the backward
+    # produces one cotangent for each, and reduces each (the transpose of its own sharding
+    # constraint) before adding them
+    parts: int = 1
 
 
 class _Graph:
@@ -50,9 +72,15 @@ class _Graph:
         self.alias = {}  # key -> the key of the same value (a call's outputs and its body's inputs)
         self.tags = {}  # key -> the checkpoint_name tag the model gave it
         self.inputs = {(0, v): i for i, v in enumerate(jaxpr.invars)}
-        self._instances = 0
+        self._instances = self._places = 0
+        self.order: dict = {}
         self._inline(jaxpr, 0)
         self.operands = set()  # what matmuls read, and what a reduction over leading dims reads
+        self.widened: dict = {}  # value -> its largest cast to a wider dtype (bytes)
+        for key, (eqn, args, _) in self.producer.items():
+            if jaxprs.op(eqn) == "convert_element_type" and args[0] is not None:
+                src = self.canonical(args[0])
+                self.widened[src] = max(self.widened.get(src, 0), nbytes(key[1].aval))
         for eqn, args, _ in self.producer.values():
             if jaxprs.is_matmul(eqn):
                 self.operands.update(self.canonical(a) for a in args if a is not None)
@@ -84,11 +112,27 @@ class _Graph:
                     if not jaxprs.is_literal(w):
                         self.alias[(inst, v)] = self.resolve((sub, w))
                 continue
+            self._places += 1  # one place per equation: every output of a loop is the loop's
             for v in eqn.outvars:
-                self.producer[(inst, v)] = (eqn, args, len(self.producer))
+                self.producer[(inst, v)] = (eqn, args, self._places)
+                self.order[(inst, v)] = len(self.order)  # program order, outputs apart
             tag = jaxprs.tag_of(eqn)
             if tag is not None and args[0] is not None:
                 self.tags[self.canonical(args[0])] = tag
+
+    def argument(self, key) -> tuple[int, object] | None:
+        """(the argument's index, the dtype it is read in) when `key` is an argument, through
+        relabellings and casts (``use``'s cast to the compute dtype); else None."""
+        key, dtype = self.canonical(key), key[1].aval.dtype
+        while key not in self.inputs and key in self.producer and self._cast(key):
+            operand = self.producer[key][1][0]
+            if operand is None:
+                return None
+            key = self.canonical(operand)
+        return (self.inputs[key], dtype) if key in self.inputs else None
+
+    def _cast(self, key) -> bool:
+        return jaxprs.op(self.producer[key][0]) == "convert_element_type"
 
     def resolve(self, key):
         while key in self.alias:
@@ -110,8 +154,10 @@ class _Level:
     """The residuals one jaxpr (the step's forward, or a loop body) hands to the backward pass,
     and which of them XLA keeps (see the module docstring for the rule)."""
 
-    def __init__(self, jaxpr, copies: int, on_input, out: list[Residual], in_loop: bool = False, at: int | None = None):
+    def __init__(self, jaxpr, copies: int, on_input, out: list[Residual], in_loop: bool = False, at: int | None = None,
+                 cheap: frozenset = frozenset()):  # fmt: skip
         self.graph, self.copies, self.on_input, self.out = _Graph(jaxpr), copies, on_input, out
+        self.extra_cheap = cheap  # primitives also fused and recomputed where float32 or float16
         self.in_loop = in_loop  # a loop's body
         self.at = at  # a loop's body: the loop's place in the step's program order
         self.candidates: set = set()
@@ -151,6 +197,13 @@ class _Level:
                 return
         self.candidates.add(key)
 
+    def cheap(self, eqn) -> bool:
+        """XLA fuses `eqn` into its consumers and recomputes it there (see the module docstring)."""
+        if jaxprs.is_cheap(eqn):
+            return True
+        narrow = all(v.aval.dtype in (jnp.float32, jnp.float16) for v in eqn.outvars)
+        return jaxprs.op(eqn) in self.extra_cheap and narrow
+
     def _place(self, pos: int) -> int:
         return pos if self.at is None else self.at
 
@@ -170,7 +223,8 @@ class _Level:
                 elif args[k] is not None:  # a constant or a stacked input: the caller's value
                     self.add(args[k])
 
-            self.loops[id(eqn)] = _Level(body, self.copies * length, on_input, self.out, in_loop=True, at=self._place(pos))
+            self.loops[id(eqn)] = _Level(body, self.copies * length, on_input, self.out, in_loop=True,
+                                         at=self._place(pos), cheap=self.extra_cheap)  # fmt: skip
             self.loops[id(eqn)].parent = (self, args, consts, carry, length)
         return self.loops[id(eqn)]
 
@@ -189,27 +243,29 @@ class _Level:
                 return set()
             if key not in seen:
                 eqn, args, _ = g.producer[key]
-                seen[key] = set().union(*(sources(a, seen) for a in args)) if jaxprs.is_cheap(eqn) else {key}
+                seen[key] = set().union(*(sources(a, seen) for a in args)) if self.cheap(eqn) else {key}
             return seen[key]
 
         def keep(key) -> None:
             kept.add(key)
             label = f"'{g.tags[key]}'" if key in g.tags else jaxprs.op(g.producer[key][0])
-            self.out.append(Residual(nbytes(key[1].aval), self.copies, label, loop=self.in_loop,
-                                     at=self._place(g.producer[key][2])))
+            size = nbytes(key[1].aval)
+            cot = g.widened.get(key, 0)  # its cotangent comes back in the wider dtype
+            self.out.append(Residual(size, self.copies, label, loop=self.in_loop, at=self._place(g.producer[key][2]),
+                                     cot=cot if cot > size else 0))  # fmt: skip
 
-        for key in sorted(self.candidates, key=lambda k: g.producer[k][2]):
+        for key in sorted(self.candidates, key=g.order.get):
             if key in kept:
                 continue
             eqn, args, _ = g.producer[key]
-            if not jaxprs.is_cheap(eqn) or key in g.operands:
+            if not self.cheap(eqn) or key in g.operands:
                 keep(key)
                 continue
             needed = set().union(*(sources(a, {}) for a in args))
             if sum(nbytes(k[1].aval) for k in needed) > nbytes(key[1].aval):
                 keep(key)  # cheaper to keep than what it is made from
             else:  # fused into the backward and recomputed there, from `needed` (kept once)
-                for k in sorted(needed, key=lambda k: g.producer[k][2]):
+                for k in sorted(needed, key=g.order.get):
                     keep(k)
 
 
@@ -247,20 +303,45 @@ def _widening_casts(level: _Level, nargs: int) -> int:
     return total + sum(_widening_casts(loop, nargs) for loop in level.loops.values())
 
 
+def _cast_dtypes(level: _Level) -> dict:
+    """Argument index -> the dtype the forward computes with it where it casts it (the narrowest
+    of its casts, in this level and the loop bodies below it: a stacked argument is cast one
+    layer's slice at a time)."""
+    out: dict = {}
+    for key, (eqn, args, _) in level.graph.producer.items():
+        if jaxprs.op(eqn) != "convert_element_type" or args[0] is None:
+            continue
+        src = _argument_copies(level, args[0])
+        if src is not None:
+            dtype = key[1].aval.dtype
+            if src[0] not in out or dtype.itemsize < out[src[0]].itemsize:
+                out[src[0]] = dtype
+    for loop in level.loops.values():
+        for k, dtype in _cast_dtypes(loop).items():
+            if k not in out or dtype.itemsize < out[k].itemsize:
+                out[k] = dtype
+    return out
+
+
 def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None, casts: list | None = None,
-                   matmuls_at: dict | None = None) -> list[Residual]:  # fmt: skip
+                   matmuls_at: dict | None = None, dtypes: dict | None = None,
+                   cheap: frozenset = frozenset()) -> list[Residual]:  # fmt: skip
     """The residuals of ``jax.vjp(fn, *args)`` that XLA keeps for the backward pass (see the
     module docstring); `args` are abstract. Residuals that are the arguments themselves are left
     out; `read` (when given) receives their indices among the flattened `args`. `uses` (when
-    given) receives, for each flattened argument the forward reads, ``(place, cotangent, bytes)``:
-    the place in program order (:attr:`Residual.at`) of the last op that reads it (where the
-    backward produces its gradient), the bytes of that op's largest output (the cotangent it is
-    differentiated with; None for a loop: one iteration's residuals') and the argument's bytes.
-    `casts` (when given) receives the bytes of the casts of the first argument's leaves (the
-    parameters) to a wider dtype that are not kept as residuals (:func:`_widening_casts`).
-    `matmuls_at` (when given) receives, for each place in program order that runs matmuls,
-    ``(a loop, their equations)``: a matmul's own, or every matmul in a loop's body (a loop is
-    one place)."""
+    given) receives, for each flattened argument the forward reads, a :class:`Use`: the place in
+    program order (:attr:`Residual.at`) of the last op that reads it (where the backward
+    produces its gradient; relabellings and casts of an argument are the argument), the bytes
+    of that op's largest output (the cotangent it is differentiated with; None for a loop: one
+    iteration's residuals'), the argument's bytes in the dtype the forward reads it in, whether
+    a gather reads it, whether that op is a matmul (of an output of more than two dims), and
+    how many values the forward reads it as. `casts` (when given) receives the bytes of the
+    casts of the first argument's leaves (the parameters) to a wider dtype that are not kept as
+    residuals (:func:`_widening_casts`). `matmuls_at` (when given) receives, for each place in
+    program order that runs matmuls, ``(a loop, their equations)``: a matmul's own, or every
+    matmul in a loop's body (a loop is one place). `dtypes` (when given) receives the dtype each
+    argument is cast to where the forward casts it (:func:`_cast_dtypes`). `cheap`: primitives
+    also fused into their consumers where float32 or float16 (the target's: :data:`GPU_CHEAP`)."""
     leaves, tree = jax.tree.flatten(args)
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(lambda *ys: fn(*jax.tree.unflatten(tree, ys)), *xs), return_shape=True
@@ -268,13 +349,16 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     jaxpr = closed.jaxpr
     n = len(jax.tree.leaves(shapes[1]))  # the vjp function's leaves: the residuals, last
     out: list[Residual] = []
-    top = _Level(jaxpr, 1, read.add if read is not None else (lambda k: None), out)  # an argument: counted in its own category
+    # an argument is counted in its own category
+    top = _Level(jaxpr, 1, read.add if read is not None else (lambda k: None), out, cheap=cheap)
     for v in jaxpr.outvars[len(jaxpr.outvars) - n :]:
         if not jaxprs.is_literal(v):
             top.add((0, v))
     top.finish()
     if casts is not None:
         casts.append(_widening_casts(top, len(jax.tree.leaves(args[0]))))
+    if dtypes is not None:
+        dtypes.update(_cast_dtypes(top))
     if matmuls_at is not None:
         for eqn, _, pos in top.graph.producer.values():
             if jaxprs.is_matmul(eqn):
@@ -283,14 +367,29 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
                 body = jaxprs.scan_parts(eqn)[0]
                 matmuls_at[pos] = (True, [e for j in jaxprs.nested(body) for e in j.eqns if jaxprs.is_matmul(e)])
     if uses is not None:
-        g = top.graph
-        for eqn, ins, pos in g.producer.values():
+        g, found, reads = top.graph, {}, {}
+        leaves = jax.tree.leaves(args)
+        for key, (eqn, ins, pos) in g.producer.items():
+            if jaxprs.is_relabel(eqn) or jaxprs.op(eqn) == "convert_element_type" and g.argument(key) is not None:
+                continue  # the argument itself, relabelled or read in another dtype
             loop = jaxprs.is_scan(eqn)  # its cotangents are one iteration's: its residuals' (None here)
             cot = None if loop else max((nbytes(v.aval) for v in eqn.outvars), default=0)
-            for a in ins:
-                k = g.canonical(a) if a is not None else None
-                if k in g.inputs and not jaxprs.is_relabel(eqn) and pos >= uses.get(g.inputs[k], (-1,))[0]:
-                    uses[g.inputs[k]] = (pos, cot, nbytes(k[1].aval))
+            for j, a in enumerate(ins):
+                arg = g.argument(a) if a is not None else None
+                if arg is None:
+                    continue
+                k, dtype = arg
+                reads.setdefault(k, set()).add(g.resolve(a))
+                size = math.prod(leaves[k].shape) * jnp.dtype(dtype).itemsize
+                last = found.get(k, Use(-1, None, 0))
+                scattered = last.scattered or (jaxprs.op(eqn) == "gather" and j == 0)
+                if pos >= last.at:
+                    matmul = jaxprs.is_matmul(eqn)
+                    folded = matmul and len(eqn.outvars[0].aval.shape) > 2
+                    found[k] = Use(pos, cot, max(last.nbytes, size), scattered, matmul, folded)
+                else:
+                    found[k] = last._replace(nbytes=max(last.nbytes, size), scattered=scattered)
+        uses.update({k: u._replace(parts=len(reads[k])) for k, u in found.items()})
     return out
 
 

@@ -361,7 +361,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     except RuntimeError:
         pass  # the backend is up already; build_mesh names a shortfall
     compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compiles are cached
-    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed)
+    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
     family = MODELS[cfg.model.name]
     _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
     params = candidates.param_dims(abstract_params)

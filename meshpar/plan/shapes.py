@@ -17,6 +17,11 @@ from meshpar import layout as layout_lib
 from meshpar.config import Config
 
 
+def platform(step: parts.AbstractStep) -> str:
+    """The platform the step is compiled for (``cpu``, ``gpu``, ``tpu``): its mesh's devices'."""
+    return step.mesh.devices.flat[0].platform
+
+
 @contextlib.contextmanager
 def on_target(step: parts.AbstractStep) -> Iterator[None]:
     """Within this block a model traced at one device's shapes makes the choices it makes for the
