@@ -19,7 +19,7 @@ import yaml
 # `import jax` (see meshpar.mesh), so the value is reported here in one line.
 from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
-from meshpar.models import MODELS
+from meshpar import models as models_lib
 from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
 from meshpar.schema import parse_yaml
 
@@ -250,7 +250,7 @@ class Config:
     # A dim may take several axes: "embed:(replica,data)". Rules that cannot apply are left out
     # as for `layout`, but a param_layout that splits no parameter at all is an error.
     param_layout: tuple[tuple[str, str], ...] = ()
-    model: Any = None  # one of the dataclasses in meshpar.models.MODELS, picked by model.name
+    model: Any = None  # the family's config, by model.name: built-in, or an import path package.module:ATTRIBUTE
     data: DataConfig = DataConfig()  # where examples come from
     feed: FeedConfig = FeedConfig()  # how batches reach the devices: direct or routed, prefetch
     optimizer: OptimizerConfig = OptimizerConfig()  # optimizer, learning-rate schedule, clipping
@@ -281,10 +281,10 @@ def _model(raw: Any) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError("model", f"expected a mapping with a 'name', got {describe(raw)}")
     name = raw.get("name")
-    # isinstance first: an unhashable name (a list, a mapping) would raise TypeError in `in`.
-    if not isinstance(name, str) or name not in MODELS:
-        raise ConfigError("model.name", f"{short(name)} is not a model (known: {', '.join(MODELS)})")
-    model = build(MODELS[name].config, raw, "model")
+    models_lib.family(name)  # a built-in name or an import path; else a ConfigError on model.name
+    # The family's own dataclass validates the rest of the section (with a `name` field added
+    # where it declares none: see meshpar.models.config_class).
+    model = build(models_lib.config_class(name), raw, "model")
     # Model sizes stay within jax's default integer, int32: some become traced int32 values
     # (vocab_size=2**31 overflowed in the jitted loss with a traceback, whatever the memory), and
     # a dim of 2**31 (hidden, d_model, n_heads, ...) left the CLI stuck in init for minutes.
@@ -413,6 +413,11 @@ def _check_offload(cfg: Config) -> None:
     if setting == "none":
         return
     key, model = "offload.activations", cfg.model
+    if models_lib.family(model.name).activation_names is None:
+        raise ConfigError(
+            key, f"{setting} keeps the values a model family names, and family {model.name} names no activations "
+            "(activation_names not given; use none)",
+        )  # fmt: skip
     if not hasattr(model, "scan_layers"):
         raise ConfigError(key, f"{setting} needs a layer loop, and model {model.name} has none (use none)")
     if model.remat != "none":

@@ -20,7 +20,7 @@ from meshpar import layout as layout_lib
 from meshpar import resume as resume_lib
 from meshpar.checkpoint import Checkpointer
 from meshpar.config import Config, ConfigError
-from meshpar.models import MODELS
+from meshpar import models
 from meshpar.plan import preflight
 
 
@@ -35,7 +35,8 @@ class Experiment:
     state: trainer.TrainState
     train_step: object  # (state, batch, stop flags) -> (state, metrics); state donated
     eval_step: object  # (params, batch) -> metrics
-    flops_per_example: float  # model FLOPs of one training example (forward + backward)
+    # Model FLOPs of one training example (forward + backward); None when the family gives none.
+    flops_per_example: float | None
     tokens_per_example: int
     peak_tflops: float  # per device, for MFU, for the arithmetic the model runs
     peak_source: str
@@ -80,7 +81,7 @@ def build(cfg: Config) -> Experiment:
     mesh = parts.make_mesh(cfg)
     layout = parts.make_layout(cfg, mesh)
     inputs = inputs_lib.build(cfg, mesh, layout)
-    family = MODELS[cfg.model.name]
+    family = models.family(cfg.model.name)
     _check_data(cfg, family, inputs)
     record = resume_lib.record(cfg, inputs)
     # The schedule's horizon does not change the optimizer state's structure: the state is
@@ -117,7 +118,7 @@ def build(cfg: Config) -> Experiment:
     if checkpointer is not None:
         checkpointer.digest_program = compiled.get("checkpoint digest")
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
-    flops = family.flops_per_example(cfg.model, inputs.element_spec)
+    flops = family.flops_per_example and family.flops_per_example(cfg.model, inputs.element_spec)
     tokens = family.tokens_per_example(cfg.model, inputs.element_spec)
     return Experiment(
         cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source,

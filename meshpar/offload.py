@@ -42,19 +42,29 @@ from typing import Any
 import jax
 
 from meshpar import jaxprs
-from meshpar.models import MODELS
+from meshpar import models
 
 HOST = "pinned_host"
 DEVICE = "device"
 
 # offload.activations → the names (checkpoint_name tags) a step keeps in host memory: each
-# family's own (meshpar.models.Family.activation_names), together. A model tags only its own
-# names, so each keeps what its family lists.
+# built-in family's own (meshpar.models.Family.activation_names), together. A model tags only
+# its own names, so each keeps what its family lists. A family from outside meshpar adds its own
+# at use time (activation_names).
 ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {}
-for _family in MODELS.values():
-    for _policy, _names in _family.activation_names.items():
+for _family in models.MODELS.values():
+    for _policy, _names in (_family.activation_names or {}).items():
         _known = ACTIVATION_NAMES.setdefault(_policy, ())
         ACTIVATION_NAMES[_policy] = _known + tuple(n for n in _names if n not in _known)
+
+
+def activation_names(model_name: str, policy: str) -> tuple[str, ...]:
+    """The names a step of family `model_name` keeps in host memory under ``offload.activations``
+    `policy`: for a built-in family :data:`ACTIVATION_NAMES`'s, for a family from outside
+    meshpar its own (none when it names none: the config refuses the policy then)."""
+    if model_name in models.MODELS:
+        return ACTIVATION_NAMES.get(policy, ())
+    return tuple((models.family(model_name).activation_names or {}).get(policy, ()))
 
 
 def on_host(sharding: Any) -> bool:

@@ -33,7 +33,7 @@ from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar import offload as offload_lib
 from meshpar.config import Config, ConfigError
-from meshpar.models import MODELS
+from meshpar import models
 
 
 @contextlib.contextmanager
@@ -82,7 +82,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
 def layout_for(cfg: Config, axis_sizes: dict[str, int]) -> layout_lib.Layout:
     """The config's layout (with ``param_layout`` on top) on a mesh of `axis_sizes`, with the
     rules the model family derives from them (e.g. Llama's ``kv_heads`` following ``heads``)."""
-    derive = MODELS[cfg.model.name].layout_rules
+    derive = models.family(cfg.model.name).layout_rules
     rules = derive(cfg.model, layout_lib.on_mesh(cfg.layout, axis_sizes), axis_sizes)
     params = derive(cfg.model, layout_lib.on_mesh(cfg.param_layout, axis_sizes), axis_sizes)
     return layout_lib.Layout.create(rules, axis_sizes, params=params)
@@ -123,7 +123,7 @@ def plan_model(
     activation checked against the layout; nothing allocated. Parameters and optimizer state
     are placed by `layout` with ``param_layout`` on top, in pinned host memory where the
     ``offload`` section says so; activations by `layout`."""
-    build_model = functools.partial(MODELS[cfg.model.name].build, cfg.model, element_spec)
+    build_model = functools.partial(models.family(cfg.model.name).build, cfg.model, element_spec)
     tx = trainer.make_optimizer(cfg.optimizer, decay_steps)
     params_layout = layout.overlay(cfg.param_layout)
     with config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
@@ -195,7 +195,7 @@ def train_step(cfg: Config, mesh, layout, plan: trainer.StatePlan, tx, batch_sha
     """The jitted train step of these parts (:func:`meshpar.trainer.make_train_step`)."""
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
-        cfg.offload.activations,
+        cfg.offload.activations, activation_names=offload_lib.activation_names(cfg.model.name, cfg.offload.activations),
     )  # fmt: skip
 
 

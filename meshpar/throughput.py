@@ -174,9 +174,13 @@ def _measured(device_ids: tuple[int, ...]) -> float:
 
 
 def rates(
-    flops_per_example: float, tokens_per_example: int, batch_size: int, step_time_s: float, num_devices: int, peak: float | None
+    flops_per_example: float | None, tokens_per_example: int, batch_size: int, step_time_s: float, num_devices: int,
+    peak: float | None,
 ) -> dict[str, float | None]:
-    """Throughput of one step of `batch_size` examples taking `step_time_s` (MFU None without a peak)."""
+    """Throughput of one step of `batch_size` examples taking `step_time_s` (MFU None without a
+    peak; TFLOP/s and MFU None without the model's FLOPs, `flops_per_example` None)."""
+    if flops_per_example is None:
+        return {"tokens_per_s": tokens_per_example * batch_size / step_time_s, "tflops_per_device": None, "mfu": None}
     tflops_per_device = flops_per_example * batch_size / step_time_s / num_devices / 1e12
     return {
         "tokens_per_s": tokens_per_example * batch_size / step_time_s,

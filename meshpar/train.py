@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nothing to train: the checkpoint is at step {summary['already_at_step']} of {summary['steps']}")
         return 0
     mfu = "MFU n/a (no peak: set hardware.peak_tflops)"
-    if summary["mfu"] is not None:
+    if summary["model_flops_per_example"] is None:
+        mfu = f"MFU unknown (model {summary['config']['model']['name']} gives no FLOPs: flops_per_example not given)"
+    elif summary["mfu"] is not None:
         mfu = f"MFU {summary['mfu']:.1%} (per step {summary['step_mfu']:.1%})"
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "

@@ -9,7 +9,7 @@ computes every shard on the device that owns it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
@@ -171,6 +171,7 @@ def make_train_step(
     microbatches: int = 1,
     activations: str = "none",
     activations_memory: str = offload_lib.HOST,
+    activation_names: Sequence[str] | None = None,
 ) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
     """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
     is donated. `stop` holds one int32 per device (see :mod:`meshpar.stop`); ``metrics["stop"]``
@@ -181,9 +182,11 @@ def make_train_step(
     state whose shardings are in pinned host memory are brought to the devices where they are
     used, and written back through the output shardings. `activations` (``offload.activations``)
     keeps its named values of every layer in `activations_memory` in place of ``model.remat``
-    (``device``: the same names saved on the devices, the reference offload is compared with)."""
+    (``device``: the same names saved on the devices, the reference offload is compared with);
+    `activation_names`: those names (:func:`meshpar.offload.activation_names`; default the
+    built-in families')."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
-    keep = offload_lib.ACTIVATION_NAMES[activations]
+    keep = offload_lib.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
 
     def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))

@@ -16,7 +16,7 @@ analytic analytic.categories analytic.categories.activations analytic.categories
 analytic.categories.optimizer analytic.categories.params analytic.categories.queued_inputs
 analytic.categories.workspace analytic.exact analytic.host analytic.host_total_bytes analytic.total_bytes
 analytic_missing capacity capacity.bytes capacity.headroom_bytes capacity.source capacity.usable_bytes devices fits
-mesh needed_bytes needed_from offload offload.host_bandwidth offload.options offload.options[].compute_s
+mesh missing needed_bytes needed_from offload offload.host_bandwidth offload.options offload.options[].compute_s
 offload.options[].device_bytes offload.options[].device_s offload.options[].exposed_s offload.options[].host_bytes
 offload.options[].host_s offload.options[].option offload.options[].option.frees offload.options[].option.label
 offload.options[].option.overrides offload.options[].predicted_s offload.options[].step_s offload.options[].update_s
@@ -35,7 +35,7 @@ xla.temp_bytes xla.total_bytes
 
 # Every field path of `python -m meshpar.plan --search --json`.
 SEARCH_FIELDS = """
-capacity_source compiled duplicates enumerated fitting illegal legal num_devices rows rows[].compile_s
+capacity_source compiled duplicates enumerated fitting illegal legal missing num_devices rows rows[].compile_s
 rows[].estimate rows[].estimate.activation_s rows[].estimate.compute_s rows[].estimate.exposed_feed_s
 rows[].estimate.feed_s rows[].estimate.flops rows[].estimate.gradient_s rows[].estimate.memory_s
 rows[].estimate.total_s rows[].fits rows[].layout rows[].memory_bytes rows[].mesh rows[].own rows[].param_layout

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from meshpar import init_from, parts
+from meshpar import init_from, models, parts
 from meshpar import inputs as inputs_lib
 from meshpar import resume as resume_lib
 from meshpar.checkpoint import Checkpointer
@@ -32,7 +32,6 @@ from meshpar.config import Config, ConfigError
 from meshpar.errors import CheckpointError
 from meshpar.hf import export, files, names, writer
 from meshpar.hf import load as hf_load
-from meshpar.models import MODELS
 from meshpar.schema import build
 
 
@@ -77,10 +76,12 @@ def model_config(run: init_from.SavedRun):
     values = run.record().get("config", {})
     raw = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     name = raw.get("name")
-    if name not in MODELS:
-        raise CheckpointError(f"{run.describe()} records no known model (model.name {name!r})")
     try:
-        return build(MODELS[name].config, raw, "model")
+        cls = models.config_class(name)
+    except ConfigError as e:
+        raise CheckpointError(f"{run.describe()} records no known model ({e})") from None
+    try:
+        return build(cls, raw, "model")
     except ConfigError as e:
         raise CheckpointError(f"{run.describe()} records a model this meshpar cannot build ({e})") from None
 

@@ -1,59 +1,112 @@
-"""Model families, picked by ``model.name`` from a plain dict.
+"""Model families, picked by ``model.name``: a built-in one (:data:`MODELS`) or any
+:class:`Family` named by an import path ``package.module:ATTRIBUTE`` (:func:`family`).
 
 A family is its config dataclass (validated from the ``model`` section), a ``build`` function
 ``(config, element_spec, rngs) -> nnx.Module`` (``element_spec`` maps each batch field to its
-per-example ``(shape, dtype)``, so a model sizes its input from the data), and the model
-FLOPs and tokens of one training example, for throughput and MFU. Every model has
-``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, which is all the train step calls.
+per-example ``(shape, dtype)``, so a model sizes its input from the data), the batch fields it
+reads, and the model FLOPs and tokens of one training example, for throughput and MFU. Every
+model has ``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, which is all the
+train step calls.
 
 A family also states what the planner (:mod:`meshpar.plan`) needs to know of it, so that the
 planner holds no knowledge of any one model: the dims a model-axis split puts on the ``model``
 axis, the dims FSDP may shard (preferred first), the activation all-reduces a model-axis split
 adds per step, its layers and their FLOPs, and the values (``checkpoint_name`` tags) each
 ``offload.activations`` policy keeps in host memory. Each is computed from the config and the
-element spec alone: nothing is traced or built.
+element spec alone: nothing is traced or built. Each is optional: the planner says which
+figure it cannot give without it (:func:`missing`). The contract, for families written outside
+meshpar, is in ``docs/custom-models.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import os
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from meshpar.models import layers, llama, mlp, transformer
+from meshpar.schema import ConfigError, short
+
+
+def _one_per_example(cfg: Any, element_spec: dict) -> int:
+    return 1
+
+
+def _no_rules(cfg: Any, rules: tuple, axis_sizes: dict[str, int]) -> tuple:
+    return rules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Family:
+    """A model family: what meshpar needs to validate, build, train and plan one model.
+
+    Required: ``config``, ``build``, ``fields``. Everything else is optional; without it the
+    run trains all the same and the planner names the figure it cannot give (:func:`missing`).
+
+    * ``config`` — a frozen dataclass, validated from the YAML ``model`` section (unknown keys are
+      errors; field types and ``metadata`` ``min``/``max`` bounds are checked by
+      :func:`meshpar.schema.build`; an integer beyond int32 is refused). ``model.name`` is the
+      family's key: a field ``name`` declared by the dataclass receives it as written (a built-in
+      name, or the import path); a dataclass that declares none is given one (``name: str``).
+    * ``build(config, element_spec, rngs) -> nnx.Module`` — the model; it has
+      ``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, names its parameters'
+      dims (``nnx.Param(..., dims=(...))``) and its activations' (:func:`meshpar.layout.constrain`)
+      in logical names only, and places a weight with :func:`meshpar.layout.use` where it is used.
+    * ``fields`` — the batch fields the model reads (checked against the data before a run).
+    * ``flops_per_example(config, element_spec) -> float`` — training FLOPs (forward + backward)
+      of one example; None: no model TFLOP/s and no MFU (a run says MFU is unknown), no
+      compute term in the layout search's estimate.
+    * ``tokens_per_example(config, element_spec) -> int`` — for tokens/s; default 1.
+    * The planner's parts (each None when not given): ``split_dims``, ``fsdp_dims``,
+      ``activation_all_reduces``, ``num_layers``, ``layer_flops``, ``activation_names``, and
+      ``layout_rules`` (default: no derived rules). See each field's comment.
+    """
+
     config: type
     build: Callable[..., Any]
-    flops_per_example: Callable[[Any, dict], float]  # training FLOPs (forward + backward)
-    tokens_per_example: Callable[[Any, dict], int]
     # The batch fields the model reads: field → (rank per example or None for any, numpy dtype
     # kinds accepted: "f" float, "i"/"u" integer).
     fields: dict[str, tuple[int | None, str]]
+    # (config, element spec) → training FLOPs (forward + backward) of one example. None: model
+    # TFLOP/s and MFU are unknown, and the search's estimate has no compute term.
+    flops_per_example: Callable[[Any, dict], float] | None = None
+    # (config, element spec) → the tokens of one example, for tokens/s (default 1: an example
+    # is one token's worth, as for a classifier).
+    tokens_per_example: Callable[[Any, dict], int] = _one_per_example
     # What the planner reads (see the module docstring). (config) → the dims a model-axis split
-    # puts on the ``model`` axis when the config's layout names none there.
-    split_dims: Callable[[Any], tuple[str, ...]]
+    # puts on the ``model`` axis when the config's layout names none there. None: the layout
+    # search and the pre-flight propose no model-axis split unless the config's layout names one.
+    split_dims: Callable[[Any], tuple[str, ...]] | None = None
     # (config, element spec) → the parameter dims FSDP (``param_layout`` over the batch axes)
     # may shard, preferred first; the planner takes them in this order, skipping one that does
-    # not divide or that shares a parameter with a dim already on those axes.
-    fsdp_dims: Callable[[Any, dict], tuple[str, ...]]
+    # not divide or that shares a parameter with a dim already on those axes. None: every
+    # parameter dim, by the bytes of the parameters it covers, most first.
+    fsdp_dims: Callable[[Any, dict], tuple[str, ...]] | None = None
     # (config, element spec, batch rows per device, the dims split over ``model``) → (count,
     # elements each) of the all-reduces over the ``model`` axis that the split adds to one step.
-    activation_all_reduces: Callable[[Any, dict, int, tuple[str, ...]], tuple[int, int]]
-    num_layers: Callable[[Any], int]  # (config) → the layers of its layer loop
+    # None: the search's analytic estimate counts none (the compiled best K count them from HLO).
+    activation_all_reduces: Callable[[Any, dict, int, tuple[str, ...]], tuple[int, int]] | None = None
+    # (config) → the layers of its layer loop. Read by no command today; tests check it against
+    # the layers the planner traces.
+    num_layers: Callable[[Any], int] | None = None
     # (config, element spec) → training FLOPs (forward + backward) of one example in each layer
-    # of the layer loop; flops_per_example less their sum is the work outside the layers.
-    layer_flops: Callable[[Any, dict], tuple[float, ...]]
+    # of the layer loop; flops_per_example less their sum is the work outside the layers. Read
+    # by no command today; tests check it against the traced FLOPs.
+    layer_flops: Callable[[Any, dict], tuple[float, ...]] | None = None
     # offload.activations → the checkpoint_name tags whose values each layer keeps in host
-    # memory under that policy (a policy the family does not list does not apply to it).
-    activation_names: dict[str, tuple[str, ...]]
+    # memory under that policy (a policy the family does not list does not apply to it). None:
+    # offload.activations other than none is a config error, and the planner leaves it out.
+    activation_names: dict[str, tuple[str, ...]] | None = None
     # (config, layout rules on the mesh, mesh axis sizes) → the rules with those the family
     # derives from them added (a dim that follows another where it divides); by default none.
-    layout_rules: Callable[[Any, tuple, dict[str, int]], tuple] = lambda cfg, rules, axis_sizes: rules
+    layout_rules: Callable[[Any, tuple, dict[str, int]], tuple] = _no_rules
 
     def check_data(self, element_spec: dict) -> str | None:
         """What is wrong with data of this `element_spec` for this model, or None."""
@@ -68,12 +121,12 @@ class Family:
         return None
 
 
+# The built-in families, by model.name.
 MODELS: dict[str, Family] = {
     "mlp": Family(
         config=mlp.MLPConfig,
         build=mlp.build,
         flops_per_example=mlp.flops_per_example,
-        tokens_per_example=lambda cfg, spec: 1,
         fields={"inputs": (None, "fiu"), "targets": (0, "iu")},
         split_dims=mlp.split_dims,
         fsdp_dims=mlp.fsdp_dims,
@@ -110,3 +163,102 @@ MODELS: dict[str, Family] = {
         layout_rules=llama.layout_rules,
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Families by name: built-in, or an import path
+
+_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def family(name: str) -> Family:
+    """The family ``model.name`` names: a built-in one (a key of :data:`MODELS`), else the
+    :class:`Family` at import path ``package.module:ATTRIBUTE`` (resolved once per process).
+    The module is imported with the current working directory first on ``sys.path`` (as
+    ``python -m`` puts it there), so a family beside the experiment imports from a library
+    caller's working directory too. Raises ConfigError on ``model.name`` saying what is wrong."""
+    if isinstance(name, str) and name in MODELS:
+        return MODELS[name]
+    if not isinstance(name, str) or not _PATH.match(name):
+        raise ConfigError(
+            "model.name",
+            f"{short(name)} is not a model: a built-in family ({', '.join(MODELS)}) or an import path "
+            "package.module:ATTRIBUTE naming a meshpar.models.Family",
+        )
+    return _imported(name)
+
+
+@functools.lru_cache(maxsize=None)  # only a family found is cached: an error is raised again
+def _imported(name: str) -> Family:
+    module_name, _, attribute = name.partition(":")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        message = " ".join(str(e).split())  # one line
+        why = f"{type(e).__name__}: {message}"
+        raise ConfigError("model.name", f"cannot import module {module_name!r} of {name!r} ({why})") from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    value: Any = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise ConfigError("model.name", f"module {module_name!r} has no attribute {attribute!r}")
+        value = getattr(value, part)
+    if not isinstance(value, Family):
+        raise ConfigError("model.name", f"{name} is a {type(value).__name__}, not a meshpar.models.Family")
+    cls = value.config
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        raise ConfigError("model.name", f"the config of family {name} must be a frozen dataclass (got {short(cls)})")
+    return value
+
+
+def config_class(name: str) -> type:
+    """The dataclass the ``model`` section of family `name` is validated into: the family's
+    config when it declares a field ``name``, else that config with ``name: str`` added (its
+    default `name`), so every config's ``model.name`` names its family. Raises ConfigError on
+    ``model.name`` as :func:`family` does."""
+    family(name)  # before the cache: a name that is no family (or not hashable) is refused here
+    return _config_class(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_class(name: str) -> type:
+    cls = family(name).config
+    if "name" in {f.name for f in dataclasses.fields(cls)}:
+        return cls
+    return dataclasses.make_dataclass(
+        cls.__name__, [("name", str, dataclasses.field(default=name))], bases=(cls,), frozen=True,
+        namespace={"__doc__": cls.__doc__, "__module__": cls.__module__},
+    )  # fmt: skip
+
+
+# (the part, the figure it gives, what the planner says without it): see :func:`missing`.
+PARTS = (
+    ("flops_per_example", "time",
+     "gives no FLOPs: no model TFLOP/s, no MFU, no compute term in the search's estimate"),
+    ("split_dims", "search",
+     "names no split dims: no model-axis candidates unless the config's layout puts a dim on model"),
+    ("fsdp_dims", "fsdp", "names no FSDP dims: FSDP takes parameter dims by the bytes they cover"),
+    ("activation_all_reduces", "search",
+     "gives no activation all-reduces: the estimate of a model-axis split counts none "
+     "(the compiled best K count them from HLO)"),
+    ("activation_names", "offload.activations",
+     "names no activations: offload.activations other than none does not apply"),
+)  # fmt: skip
+
+
+def missing(name: str) -> list[dict[str, str]]:
+    """What the planner cannot give for family `name`, one entry per part it does not give:
+    ``{"part", "figure", "line"}``, the line saying which figure and why (e.g. ``time: family X
+    gives no FLOPs: no model TFLOP/s, no MFU, ... (flops_per_example not given)``)."""
+    fam = family(name)
+    return [
+        {"part": part, "figure": figure, "line": f"{figure}: family {name} {what} ({part} not given)"}
+        for part, figure, what in PARTS
+        if getattr(fam, part) is None
+    ]

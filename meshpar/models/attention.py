@@ -56,10 +56,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "a
     kv]`` (``kv_heads`` divides ``heads``; equal for multi-head attention) by `implementation`;
     the result has q's dtype and shape."""
     chosen = resolve(implementation, q.shape, q.dtype, block)
-    grouped = k.shape[2] != q.shape[2]
-    if chosen == "cudnn" and (not grouped or layout_lib.same_split("kv_heads", "heads")):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
-    if grouped:
+    # cuDNN takes grouped heads as they are where both dims are split alike; all else repeats them.
+    if k.shape[2] != q.shape[2] and not (chosen == "cudnn" and layout_lib.same_split("kv_heads", "heads")):
         k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     if chosen == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
@@ -140,6 +138,20 @@ def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [batch, length, heads, kv]
+
+
+def over_cache(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Decoding's attention: ``q [batch, steps, heads, kv]`` (the new tokens) against a key/value
+    cache ``k, v [batch, slots, kv_heads, kv]`` holding them, each query attending to the slots
+    `visible` ``[batch, steps, slots]`` allows. The arithmetic is :func:`xla`'s (float32 scores,
+    the same scale and masked value), over the cache's slots instead of the window's positions."""
+    if k.shape[2] != q.shape[2]:
+        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5
+    scores = constrain(scores, ("batch", "heads", "length", None))  # [batch, heads, steps, slots]
+    scores = jnp.where(visible[:, None], scores, NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [batch, steps, heads, kv]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,12 +42,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rotary(x: jax.Array, inv_freq: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) of
-    ``x [batch, length, heads, kv]`` with angular frequencies ``inv_freq [kv/2]``."""
-    length = x.shape[1]
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq  # [length, kv/2]
-    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    ``x [batch, length, heads, kv]`` with angular frequencies ``inv_freq [kv/2]``, at positions
+    ``0 .. length - 1``, or each row's own `positions` ``[batch, length]`` (decoding)."""
+    if positions is None:
+        angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq  # [length, kv/2]
+        sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    else:
+        angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, length, kv/2]
+        sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -51,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.layout import constrain, use
 from meshpar.models import attention as attention_lib
-from meshpar.models import layers
+from meshpar.models import kv_cache, layers
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
 
 
@@ -124,22 +124,34 @@ def weight(p: dict[str, jax.Array], name: str, dtype=None) -> jax.Array:
 
 def block(cfg: LlamaConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
     """One layer on ``x [batch, length, embed]``; `p` holds this layer's (unstacked) weights."""
+
+    def attend(q, k, v):
+        return attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), None
+
+    return layer(cfg, p, x, attend)[0]
+
+
+def layer(cfg: LlamaConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
+          positions: jax.Array | None = None) -> tuple[jax.Array, object]:  # fmt: skip
+    """One layer with its attention core `attend(q, k, v) -> (context, cache)`: the whole window
+    in training (:func:`block`), the new tokens against the key/value cache in decoding, the
+    tokens at `positions` ``[batch, length]`` (None: ``0 .. length - 1``)."""
     dt, eps = DTYPES[cfg.compute_dtype], cfg.rms_eps
     inv_freq = jnp.asarray(rope_frequencies(cfg))  # [kv/2]
     x = checkpoint_name(x, "layer_in")
     h = checkpoint_name(rms_norm(x, weight(p, "attn_norm"), eps), "attn_in")  # [batch, length, embed]
-    q = layers.rotary(constrain(dense(h, weight(p, "wq", dt)), HEADS), inv_freq)  # [batch, length, heads, kv]
-    k = layers.rotary(constrain(dense(h, weight(p, "wk", dt)), KV_HEADS), inv_freq)  # [batch, length, kv_heads, kv]
+    q = layers.rotary(constrain(dense(h, weight(p, "wq", dt)), HEADS), inv_freq, positions)  # [batch, length, heads, kv]
+    k = layers.rotary(constrain(dense(h, weight(p, "wk", dt)), KV_HEADS), inv_freq, positions)  # [batch, length, kv_heads, kv]
     v = constrain(dense(h, weight(p, "wv", dt)), KV_HEADS)
     q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-    o = constrain(attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), HEADS)
-    o = checkpoint_name(o, "context")
+    o, cache = attend(q, k, v)
+    o = checkpoint_name(constrain(o, HEADS), "context")
     attn = checkpoint_name(dense(o, weight(p, "wo", dt), 2), "attn_out")  # [batch, length, embed]
     x = checkpoint_name(constrain(x + attn, EMBED), "attn_residual")
     h = checkpoint_name(rms_norm(x, weight(p, "mlp_norm"), eps), "mlp_in")
     gate, up = dense(h, weight(p, "w_gate", dt)), dense(h, weight(p, "w_up", dt))
     f = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "length", "d_ff")), "mlp_hidden")
-    return constrain(x + dense(f, weight(p, "w_down", dt)), EMBED)
+    return constrain(x + dense(f, weight(p, "w_down", dt)), EMBED), cache
 
 
 class Blocks(nnx.Module):
@@ -159,8 +171,14 @@ class Blocks(nnx.Module):
                 setattr(self, name, ones(shape, dims, pd))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        stacked = {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
-        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), stacked, x, None)
+        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), self.stacked(), x, None)
+
+    def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        layer_fn = functools.partial(layer, self.cfg)
+        return kv_cache.run_layers(layer_fn, self.stacked(), x, cache, layers.scan_unroll(self.cfg))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
 
 
 def check(cfg: LlamaConfig, length: int) -> str | None:
@@ -191,15 +209,34 @@ class Llama(nnx.Module):
 
     def __call__(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         """``inputs`` int [batch, length] → logits float32 [batch, length, vocab]."""
-        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        return self.logits(self.blocks(self.embedded(inputs)))
+
+    def embedded(self, inputs: jax.Array) -> jax.Array:
+        """``inputs`` int [batch, length] → ``[batch, length, embed]`` in the compute dtype."""
+        dt = DTYPES[self.cfg.compute_dtype]
         inputs = constrain(inputs, ("batch", "length"))
-        x = constrain(jnp.take(use(self.embed[...], ("vocab", "embed"), dt), inputs, axis=0), EMBED)
-        x = rms_norm(self.blocks(x), use(self.final_norm[...], ("embed",)), cfg.rms_eps)
+        return constrain(jnp.take(use(self.embed[...], ("vocab", "embed"), dt), inputs, axis=0), EMBED)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last layer's output ``[batch, length, embed]`` → float32 ``[batch, length, vocab]``."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        x = rms_norm(x, use(self.final_norm[...], ("embed",)), cfg.rms_eps)
         if cfg.tie_embeddings:
             logits = jnp.einsum("ble,ve->blv", x, use(self.embed[...], ("vocab", "embed"), dt))
         else:
             logits = x @ use(self.unembed[...], ("embed", "vocab"), dt)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))  # [batch, length, vocab]
+
+    def init_cache(self, batch: int, slots: int, start: jax.Array) -> kv_cache.KVCache:
+        """An empty key/value cache of `slots` positions (:mod:`meshpar.models.kv_cache`)."""
+        cfg = self.cfg
+        return kv_cache.create(cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.d_head, DTYPES[cfg.compute_dtype], start, "kv_heads")
+
+    def decode(self, inputs: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        """``inputs`` int [batch, steps] written into `cache` → the next token's logits float32
+        ``[batch, vocab]`` and the cache (:mod:`meshpar.models.kv_cache`)."""
+        x, cache = self.blocks.decode(self.embedded(inputs), cache)
+        return self.logits(x[:, -1:])[:, 0], cache
 
     def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy and accuracy (:func:`meshpar.models.layers.next_token_loss`)."""

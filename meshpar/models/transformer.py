@@ -66,7 +66,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.layout import constrain, use
 from meshpar.models import attention as attention_lib
-from meshpar.models import layers
+from meshpar.models import kv_cache, layers
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm, scan_unroll, window_length  # noqa: F401
 BLOCK_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_in", "w_out")
 
@@ -111,10 +111,11 @@ class TransformerConfig:
     scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
-def rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding of ``x [batch, length, heads, kv]``, base 10000."""
+def rotary(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding of ``x [batch, length, heads, kv]``, base 10000 (at `positions`
+    ``[batch, length]``, or ``0 .. length - 1``)."""
     half = x.shape[-1] // 2
-    return layers.rotary(x, 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half))
+    return layers.rotary(x, 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half), positions)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -141,6 +142,18 @@ def weight(p: dict[str, jax.Array], name: str, dtype=None) -> jax.Array:
 
 def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
     """One layer on ``x [batch, length, embed]``; `p` holds this layer's (unstacked) weights."""
+
+    def attend(q, k, v):
+        return attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), None
+
+    return layer(cfg, p, x, attend, None, key)[0]
+
+
+def layer(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
+          positions: jax.Array | None = None, key: jax.Array | None = None) -> tuple[jax.Array, object]:  # fmt: skip
+    """One layer with its attention core `attend(q, k, v) -> (context, cache)`: the whole window
+    in training (:func:`block`, dropout keyed by `key`), the new tokens against the key/value
+    cache in decoding, the tokens at `positions` ``[batch, length]`` (None: ``0 .. length - 1``)."""
     dt = DTYPES[cfg.compute_dtype]
     k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
     act = ("batch", "length", "heads", "kv")
@@ -149,10 +162,10 @@ def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: ja
     h = checkpoint_name(h, "attn_in")
     q, k, v = (constrain(dense(h, weight(p, w, dt)), act) for w in ("wq", "wk", "wv"))
     if cfg.positions == "rotary":
-        q, k = rotary(q), rotary(k)
+        q, k = rotary(q, positions), rotary(k, positions)
     q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-    o = constrain(attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), act)  # [batch, length, heads, kv]
-    o = checkpoint_name(o, "context")
+    o, cache = attend(q, k, v)
+    o = checkpoint_name(constrain(o, act), "context")  # [batch, length, heads, kv]
     attn = dense(o, weight(p, "wo", dt), 2)
     attn = checkpoint_name(attn, "attn_out")
     x = constrain(x + dropout(attn, cfg.dropout, k_attn), ("batch", "length", "embed"))
@@ -161,7 +174,7 @@ def block(cfg: TransformerConfig, p: dict[str, jax.Array], x: jax.Array, key: ja
     f = constrain(jax.nn.gelu(dense(h, weight(p, "w_in", dt))), ("batch", "length", "d_ff"))  # [batch, length, d_ff]
     f = checkpoint_name(f, "mlp_hidden")
     mlp = dense(f, weight(p, "w_out", dt))  # [batch, length, embed]
-    return constrain(x + dropout(mlp, cfg.dropout, k_mlp), ("batch", "length", "embed"))
+    return constrain(x + dropout(mlp, cfg.dropout, k_mlp), ("batch", "length", "embed")), cache
 
 
 class Blocks(nnx.Module):
@@ -180,8 +193,14 @@ class Blocks(nnx.Module):
         self.w_out = param(rngs, (n, f, d), ("layers", "d_ff", "embed"), f**-0.5, pd)
 
     def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
-        stacked = {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
-        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), stacked, x, key)
+        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), self.stacked(), x, key)
+
+    def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        layer_fn = functools.partial(layer, self.cfg)
+        return kv_cache.run_layers(layer_fn, self.stacked(), x, cache, layers.scan_unroll(self.cfg))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in BLOCK_PARAMS}  # each [layers, ...]
 
 
 class Transformer(nnx.Module):
@@ -206,15 +225,39 @@ class Transformer(nnx.Module):
 
     def __call__(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         """``inputs`` int [batch, length] → logits float32 [batch, length, vocab]."""
-        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        cfg = self.cfg
         train = rngs is not None and cfg.dropout > 0.0
         k_embed, k_blocks = jax.random.split(rngs.dropout()) if train else (None, None)
+        x = constrain(dropout(self.embedded(inputs), cfg.dropout, k_embed), ("batch", "length", "embed"))
+        return self.logits(self.blocks(x, k_blocks))
+
+    def embedded(self, inputs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``inputs`` int [batch, length] (at `positions` [batch, length], or ``0 .. length - 1``)
+        → ``[batch, length, embed]`` in the compute dtype, learned positions added."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
         inputs = constrain(inputs, ("batch", "length"))
         x = jnp.take(use(self.embed[...], ("vocab", "embed"), dt), inputs, axis=0)  # [batch, length, embed]
         if cfg.positions == "learned":
-            x = x + use(self.pos[...], ("length", "embed"), dt)[: inputs.shape[1]][None]
-        x = constrain(dropout(x, cfg.dropout, k_embed), ("batch", "length", "embed"))
-        x = rms_norm(self.blocks(x, k_blocks), use(self.final_norm[...], ("embed",)))
+            table = use(self.pos[...], ("length", "embed"), dt)  # [max_length, embed]
+            x = x + (table[: inputs.shape[1]][None] if positions is None else jnp.take(table, positions, axis=0))
+        return x
+
+    def init_cache(self, batch: int, slots: int, start: jax.Array) -> kv_cache.KVCache:
+        """An empty key/value cache of `slots` positions (:mod:`meshpar.models.kv_cache`)."""
+        cfg = self.cfg
+        return kv_cache.create(cfg.n_layers, batch, slots, cfg.n_heads, cfg.d_head, DTYPES[cfg.compute_dtype], start)
+
+    def decode(self, inputs: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        """``inputs`` int [batch, steps] written into `cache` → the next token's logits float32
+        ``[batch, vocab]`` and the cache (:mod:`meshpar.models.kv_cache`); no dropout."""
+        x = constrain(self.embedded(inputs, kv_cache.positions(cache, inputs.shape[1])), ("batch", "length", "embed"))
+        x, cache = self.blocks.decode(x, cache)
+        return self.logits(x[:, -1:])[:, 0], cache
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last layer's output ``[batch, length, embed]`` → float32 ``[batch, length, vocab]``."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        x = rms_norm(x, use(self.final_norm[...], ("embed",)))
         if cfg.tie_embeddings:
             logits = jnp.einsum("ble,ve->blv", x, use(self.embed[...], ("vocab", "embed"), dt)) * cfg.d_model**-0.5
         else:

@@ -2,7 +2,10 @@
 
 Prints, per device, the analytic memory model next to XLA's figures for the config's train step
 compiled ahead of time (nothing is allocated), the device capacity with its source, and a verdict.
-``--json PATH`` also writes it all (see :meth:`meshpar.plan.report.Report.to_json`).
+``--json PATH`` also writes it all (see :meth:`meshpar.plan.report.Report.to_json`). A figure
+the model's family gives no part for (a family from outside meshpar may leave the planner's
+parts out) is named with why, one line each (:func:`meshpar.models.missing`; ``missing`` in the
+JSON, and in ``--search``'s).
 
 ``--topology NAME`` (a shipped machine, see :func:`meshpar.plan.topology.names`, or a YAML
 path) adds the predicted step time on that machine, by term, and the batch placement time.
@@ -44,7 +47,7 @@ import sys
 from rich.console import Console
 
 from meshpar import config as config_lib
-from meshpar import compile_cache, errors, parts
+from meshpar import compile_cache, errors, models, parts
 from meshpar.config import ConfigError
 from meshpar.plan import cost, feed_time, gpu_target, offload_cost, search_report, time_report, timing, topology
 from meshpar.plan import report as report_lib
@@ -108,6 +111,8 @@ def search(cfg, args, argv: list[str]) -> int:
     title = f"layout search: {args.config} on {topo.name} ({topo.description})"
     if result.note:
         console.print(result.note, markup=False, soft_wrap=True)
+    for line in result.missing:  # what the model's family does not give the search
+        console.print(line, markup=False, soft_wrap=True)
     console.print(f"best {result.compiled} compiled for: {result.compiled_for}", markup=False)
     console.print(search_report.table(result, title))
     command = shlex.join(["python", "-m", "meshpar.plan", *argv])
@@ -258,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         capacity = cost.machine_capacity(cfg, topo, step.mesh) if topo is not None else None
         report = report_lib.plan(cfg, step, capacity=capacity)
         compiled_for = target.compiled_for or gpu_target.host_label(step.mesh)
+        missing = models.missing(cfg.model.name)  # the figures the family gives no part for
         if topo is not None:
             (priced,) = price(cfg, step, report, [topo], sizes, not args.no_overlap)
             feed_s, step_time, offload = priced.feed_s, priced.step_time, priced.offload
             rates = step_time and time_report.model_rates(cfg, step, step_time, topo)
         if args.json:
-            out = {"compiled_for": compiled_for, **report.to_json()}
+            out = {"compiled_for": compiled_for, **report.to_json(), "missing": missing}
             if topo is not None:
                 timed = step_time and {**timing.to_json(step_time), **rates}
                 out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": timed}
@@ -287,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     if report.analytic_missing:
         console.print(f"analytic: {report.analytic_missing}")
     console.print(f"{report.verdict()} (needed: {report.needed_from})", markup=False)
+    for m in missing:
+        console.print(m["line"], markup=False, soft_wrap=True)
     if topo is not None and priced.unfit:
         console.print(priced.unfit, markup=False)
         return 1

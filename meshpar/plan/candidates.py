@@ -55,7 +55,7 @@ from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
-from meshpar.models import MODELS
+from meshpar import models
 from meshpar.plan import cost, memory
 
 # A change that does not apply: the errors building its config and its plan may raise.
@@ -114,8 +114,9 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
         return []
     rules = list(cfg.layout)
     if not any(axes == MODEL_AXIS or (isinstance(axes, tuple) and MODEL_AXIS in axes) for _, axes in rules):
-        split = MODELS[cfg.model.name].split_dims(cfg.model)
-        if not split:
+        family = models.family(cfg.model.name)
+        split = family.split_dims(cfg.model) if family.split_dims is not None else ()
+        if not split:  # the family names none (or gives no split_dims): no model-axis split to propose
             return []
         named = {d for d, _ in rules}
         rules += [(d, MODEL_AXIS) for d in split if d not in named]
@@ -201,8 +202,11 @@ def fsdp_param_layout(
         raise ConfigError("param_layout", f"FSDP {where}: the batch is split over no axis of more than one device")
     placed = {**dict(layout), **dict(own)}  # a parameter's placement: param_layout over layout
     busy = {d for d, a in placed.items() if set(_axis_names(a)) & set(axes)}
-    order = MODELS[cfg.model.name].fsdp_dims(cfg.model, element_spec)
+    family = models.family(cfg.model.name)
+    order = family.fsdp_dims(cfg.model, element_spec) if family.fsdp_dims is not None else None  # None: by bytes
     dims = fsdp_dims(params, set(placed), ways, order, busy)
+    if order is None:  # the order fsdp_dims took, for the reasons below
+        order = tuple(dict.fromkeys(d for dims_, _, _ in params for d in dims_ if d is not None))
     if not dims:
         raise ConfigError("param_layout", f"FSDP {where}: {_why_none(params, dict(layout), dict(own), busy, ways, order)}")
     rule = axes[0] if len(axes) == 1 else tuple(axes)

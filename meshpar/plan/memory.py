@@ -254,10 +254,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import aot, parts, trainer
+from meshpar import aot, models, offload, parts, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
-from meshpar.models import MODELS
 from meshpar.plan import backward as backward_phase
 from meshpar.plan import cost, gathers, gemm, gradients, offload_plan, programs, residuals, shapes
 
@@ -297,7 +296,7 @@ def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None,
     if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads) or model is not cfg.model:
         spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
         model = dataclasses.replace(model, remat=remat) if remat is not None else model
-        build = functools.partial(MODELS[cfg.model.name].build, model, spec)
+        build = functools.partial(models.family(cfg.model.name).build, model, spec)
         graphdef, _ = trainer.abstract_model(build)
 
     def loss(params, batch):
@@ -392,7 +391,8 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
     remat = getattr(cfg.model, "remat", "none")
     if place.activations != "none":  # the named residuals on the host, the rest recomputed
         prof, remat = offload_plan.profile(cfg, step), "full"
-        host["activations"] = prof.named_bytes(offload_plan.OFFLOADED_NAMES[place.activations]) * prof.layers
+        names = offload.activation_names(cfg.model.name, place.activations)
+        host["activations"] = prof.named_bytes(names) * prof.layers
     read: set[int] = set()  # the parameters the backward reads
     uses: dict = {}  # where the backward produces each gradient
     slices: list[int] = []  # a layer loop run as a loop: one backward iteration's slices of the stacks

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshpar import parts, throughput
+from meshpar import offload, parts, throughput
 from meshpar import config as config_lib
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
@@ -171,7 +171,7 @@ def price(prepared: Prepared, topo, overlap: bool = True) -> Cost:
     def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` gathered
         return cost_lib.collective_seconds("all-gather", nbytes, ways, link)
 
-    offloaded = prof.named_bytes(offload_plan.OFFLOADED_NAMES[place.activations])
+    offloaded = prof.named_bytes(offload.activation_names(cfg.model.name, place.activations))
     weights_in = w.layer if place.params else 0
     remat = place.activations != "none" or getattr(cfg.model, "remat", "none") != "none"
     passes = (  # (compute, host transfer, device transfer) of one layer, forward then backward

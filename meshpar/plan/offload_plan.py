@@ -26,13 +26,13 @@ import math
 import jax
 from flax import nnx
 
-from meshpar import aot, jaxprs, offload, parts, trainer
+from meshpar import aot, jaxprs, models, offload, parts, trainer
 from meshpar.config import Config, ConfigError
-from meshpar.models import MODELS
 from meshpar.plan import shapes
 
 # offload.activations → the checkpoint_name tags whose values are saved in host memory (every
-# other value of the layer is recomputed in the backward pass).
+# other value of the layer is recomputed in the backward pass), for the built-in families; any
+# family's: meshpar.offload.activation_names.
 OFFLOADED_NAMES = offload.ACTIVATION_NAMES
 
 
@@ -100,8 +100,9 @@ def profile(cfg: Config, step: parts.AbstractStep) -> Profile:
     params = shapes.local_params(state.params, step.layout, step.mesh)
     local = shapes.device_batch(cfg, step)
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
-    model = dataclasses.replace(cfg.model, remat="full")  # every layer one checkpointed call
-    graphdef, _ = trainer.abstract_model(functools.partial(MODELS[cfg.model.name].build, model, spec))
+    # Every layer one checkpointed call (a model without model.remat is traced as it is).
+    model = dataclasses.replace(cfg.model, remat="full") if hasattr(cfg.model, "remat") else cfg.model
+    graphdef, _ = trainer.abstract_model(functools.partial(models.family(cfg.model.name).build, model, spec))
 
     def forward(params, batch):
         return nnx.merge(graphdef, params).loss(batch, rngs=nnx.Rngs(dropout=jax.random.key(0)))[0]

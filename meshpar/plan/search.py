@@ -80,7 +80,7 @@ from meshpar import config as config_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
-from meshpar.models import MODELS
+from meshpar import models
 from meshpar.plan import candidates, cost, gpu_target, memory, timing
 from meshpar.plan.report import fmt_bytes
 
@@ -163,7 +163,8 @@ def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
 def model_dims(cfg: Config) -> tuple[str, ...]:
     """The dims a model split puts on the model axis: the config's own, else the family's."""
     own = tuple(d for d, a in cfg.layout if d != "batch" and MODEL_AXIS in (a if isinstance(a, tuple) else (a,)))
-    return own or MODELS[cfg.model.name].split_dims(cfg.model)
+    family = models.family(cfg.model.name)
+    return own or (family.split_dims(cfg.model) if family.split_dims is not None else ())
 
 
 def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, element_spec: dict) -> tuple[str, str]:
@@ -240,11 +241,13 @@ def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], comp
 def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
     """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
     sizes = option.sizes
-    spec, family = step.element_spec, MODELS[cfg.model.name]
+    spec, family = step.element_spec, models.family(cfg.model.name)
     batch_ways = math.prod(sizes[a] for a in option.batch)
     model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
     dtype = throughput.compute_dtype(cfg.model)
-    flops = family.flops_per_example(cfg.model, spec) * cfg.train.batch_size / (batch_ways * model_ways)
+    # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
+    per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
+    flops = per_example * cfg.train.batch_size / (batch_ways * model_ways)
     flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
@@ -256,7 +259,7 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
         for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
     )
     activation_s = 0.0
-    if model_ways > 1:
+    if model_ways > 1 and family.activation_all_reduces is not None:
         count, elements = family.activation_all_reduces(cfg.model, spec, cfg.train.batch_size // batch_ways, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
         activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count)
@@ -315,6 +318,8 @@ class Result:
     seconds: float
     compiled_for: str = "cpu"  # what the best K were compiled for (a GPU machine's own compiler, or this host)
     note: str = ""  # why a GPU machine's best K were compiled for this host instead
+    # What the search cannot give for the model's family, one line each (meshpar.models.missing).
+    missing: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def legal(self) -> int:
@@ -362,7 +367,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         pass  # the backend is up already; build_mesh names a shortfall
     compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compiles are cached
     spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
-    family = MODELS[cfg.model.name]
+    family = models.family(cfg.model.name)
     _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
     params = candidates.param_dims(abstract_params)
     dims = model_dims(cfg)
@@ -431,12 +436,30 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
     return Result(
         ranked, topo, cap, num_devices, len(options), len(options) - len(distinct), illegal, len(compiled),
-        time.perf_counter() - started, compiled_for, target.note,
+        time.perf_counter() - started, compiled_for, target.note, search_missing(cfg, dims),
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
 # Output
+
+
+def search_missing(cfg: Config, dims: tuple[str, ...]) -> list[str]:
+    """What the search cannot give for the config's family, one line each: the model parts of
+    :func:`meshpar.models.missing` it reads (FLOPs, split dims, activation all-reduces, FSDP
+    dims), the split dims only where the config's layout names none on ``model``."""
+    lines = []
+    for m in models.missing(cfg.model.name):
+        if m["part"] == "activation_names":
+            continue
+        if (m["part"] == "split_dims" and dims) or (m["part"] == "activation_all_reduces" and not dims):
+            continue
+        if m["part"] == "split_dims":
+            lines.append(f"search: no model-axis candidates (family {cfg.model.name} gives no split_dims, and the "
+                         "config's layout puts no dim on model)")  # fmt: skip
+        else:
+            lines.append(m["line"])
+    return lines
 
 
 def summary(result: Result) -> str:
@@ -467,5 +490,5 @@ def to_json(result: Result) -> dict:
         "enumerated": result.enumerated,
         "duplicates": result.duplicates, "illegal": result.illegal, "legal": result.legal, "fitting": result.fitting,
         "compiled": result.compiled, "seconds": result.seconds, "usable_bytes": result.capacity.usable_bytes,
-        "capacity_source": result.capacity.source, "rows": rows,
+        "capacity_source": result.capacity.source, "rows": rows, "missing": result.missing,
     }  # fmt: skip

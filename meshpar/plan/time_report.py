@@ -5,7 +5,7 @@ next to the other ways of freeing device memory (``--topology``, ``--offload-swe
 from __future__ import annotations
 
 from meshpar import throughput
-from meshpar.models import MODELS
+from meshpar import models
 from meshpar.plan import offload_cost
 from meshpar.plan.report import fmt_bytes
 
@@ -23,25 +23,29 @@ def model_rates(cfg, step, step_time, topology) -> dict:
     """What the predicted step means for the model, as a run reports it (:mod:`meshpar.throughput`):
     ``model_flops`` (the model's own FLOPs per device per step, the count MFU uses — not the
     compiled program's, which adds recomputation), ``tokens_per_s`` over every device, and ``mfu``
-    against the machine's dense peak for the compute dtype (None without a peak)."""
-    family = MODELS[cfg.model.name]
+    against the machine's dense peak for the compute dtype (None without a peak). Without the
+    family's FLOPs (``flops_per_example`` not given) ``model_flops`` and ``mfu`` are None and
+    ``no_flops`` says why."""
+    family = models.family(cfg.model.name)
     batch = cfg.train.batch_size
-    per_example = family.flops_per_example(cfg.model, step.element_spec)
     tokens = family.tokens_per_example(cfg.model, step.element_spec)
-    model_flops = per_example * batch / step.mesh.size
     seconds = step_time.total_s
+    out = {"tokens_per_s": tokens * batch / seconds if seconds else None}
+    if family.flops_per_example is None:
+        why = f"family {cfg.model.name} gives no FLOPs (flops_per_example not given)"
+        return {"model_flops": None, **out, "mfu": None, "no_flops": why}
+    model_flops = family.flops_per_example(cfg.model, step.element_spec) * batch / step.mesh.size
     peak = topology.peak(throughput.compute_dtype(cfg.model))
-    return {
-        "model_flops": model_flops,
-        "tokens_per_s": tokens * batch / seconds if seconds else None,
-        "mfu": model_flops / seconds / peak if seconds and peak else None,
-    }
+    return {"model_flops": model_flops, **out, "mfu": model_flops / seconds / peak if seconds and peak else None}
 
 
 def rates_line(rates: dict) -> str:
     """One line: the predicted step's model FLOPs per device, tokens/s and MFU."""
     tokens = rates["tokens_per_s"]
     mfu = rates["mfu"]
+    if rates["model_flops"] is None:
+        return (f"predicted: {'-' if tokens is None else f'{tokens:,.0f}'} tokens/s; model FLOPs and MFU unknown: "
+                f"{rates['no_flops']}")  # fmt: skip
     return (
         f"predicted: {rates['model_flops']:.4g} model FLOP per device per step, "
         f"{'-' if tokens is None else f'{tokens:,.0f}'} tokens/s, MFU {'-' if mfu is None else f'{mfu:.1%}'}"

@@ -1,0 +1,1 @@
+"""Examples that use meshpar from outside it (``model.name: examples.<module>:ATTRIBUTE``)."""

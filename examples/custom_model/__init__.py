@@ -1,0 +1,1 @@
+"""A model family defined outside meshpar: see README.md here."""
