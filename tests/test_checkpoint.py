@@ -263,7 +263,11 @@ def test_without_a_manifest_the_array_digests_still_catch_silent_flips(exp8, sav
     original = _data_files(saved[0] / "4")[0]
     data = original.read_bytes()
     caught = []
-    for at in range(len(data) // 12, len(data), len(data) // 12):
+    # Where the arrays lie in the file depends on the order orbax's writes finished, and most
+    # flips tensorstore notices itself: probe until one is silent to it (a few probes, usually).
+    for at in range(len(data) // 48, len(data), len(data) // 48):
+        if caught:
+            break
         copy = shutil.copytree(saved[0], tmp_path / f"flip{at}")
         (copy / "4" / integrity.MANIFEST).unlink()
         path = copy / original.relative_to(saved[0])  # the same file (another may have its size)
