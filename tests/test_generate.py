@@ -5,6 +5,7 @@ different layouts, sampling, and the one-line failures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -236,3 +237,29 @@ def test_sampling_keeps_to_the_top_k_and_the_nucleus():
     assert set(draws["p06"]) == {0, 1}  # 0.4 < 0.6: the second is needed, 0.7 ≥ 0.6: not the third
     assert set(draws["p075"]) == {0, 1, 2}
     assert abs((draws["k2"] == 0).mean() - 0.4 / 0.7) < 0.03  # renormalised among the kept
+
+
+@pytest.mark.skipif(not TRAINED.is_dir(), reason="tests/fixtures/hf/trained is made by scripts/make_hf_fixture.py")
+def test_the_command_continues_a_hugging_face_folder_and_stops_at_its_end_token(tmp_path, capsys):
+    """``--hf`` under Mesh TensorFlow's layout gives transformers' continuation; with an
+    end-of-sequence id that the continuation makes, a prompt ends at its first one (kept), the
+    others run on, and ``--ignore-eos`` keeps them all."""
+    ref = np.load(TRAINED / "reference.npz")
+    path = tmp_path / "out.json"
+    args = ["--hf", str(TRAINED), "--prompt", "def ", "--max-new-tokens", "32", "--json", str(path)]
+    code, stdout, stderr = _cli([*args, "mesh=data:4,model:2", f"layout={MTF}"], capsys)
+    assert code == 0, stderr
+    out = json.loads(path.read_text())
+    assert out["tokens"] == [ref["generate_single"].tolist()] and out["mesh"] == "data:4,model:2"
+    assert stdout.startswith("── prompt 0 (2 tokens) + 32 new ──\ndef ")
+
+    gen = _trained()
+    prompts = decoding.encode(gen, [str(p) for p in ref["generate_prompts"]])
+    end = int(ref["generate_tokens"][0, 5])  # made by row 0 at its 6th token
+    stopped = decoding.generate(dataclasses.replace(gen, eos=(end,), programs={}), prompts, 32).tokens
+    for row, made in zip(ref["generate_tokens"], stopped):
+        hits = np.flatnonzero(row == end)
+        assert made.tolist() == (row[: hits[0] + 1] if hits.size else row).tolist()
+    assert len(stopped[0]) <= 6
+    kept = decoding.generate(dataclasses.replace(gen, eos=(end,)), prompts, 32, stop_at_eos=False).tokens
+    assert [t.tolist() for t in kept] == ref["generate_tokens"].tolist()
