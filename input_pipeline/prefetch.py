@@ -117,13 +117,22 @@ class Prefetcher:
 
     ``produce(step) -> (arrays, info)`` loads and places one batch; with ``depth == 0`` it runs
     on demand in the caller's thread, otherwise in one background thread, at most ``depth``
-    batches ahead of the one in use.
+    batches ahead of the one in use. ``on_close`` runs once the producer has stopped (e.g. to
+    stop the worker processes `produce` reads from).
     """
 
-    def __init__(self, produce: Callable[[int], tuple[Any, Any]], start: int, stop: int, depth: int):
+    def __init__(
+        self,
+        produce: Callable[[int], tuple[Any, Any]],
+        start: int,
+        stop: int,
+        depth: int,
+        on_close: Callable[[], None] | None = None,
+    ):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self._produce, self._next, self._stop, self.depth = produce, start, stop, depth
+        self._on_close = on_close
         self._closed = threading.Event()
         self._slots = _Slots(depth + 1)
         self._queue: queue.Queue = queue.Queue()  # unbounded: the slots bound it
@@ -196,6 +205,9 @@ class Prefetcher:
             self._thread = None
         while not self._queue.empty():
             self._queue.get_nowait()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> "Prefetcher":
         return self

@@ -30,8 +30,9 @@ __all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_
 class DataConfig:
     # Where examples come from: synthetic (seeded teacher-network task), tfds (array_record on
     # disk), text (token windows of a directory of .py files; default the Python standard
-    # library), tfds_text (token windows of a tfds Text feature); tokens as data.tokenizer says.
-    source: Literal["synthetic", "tfds", "text", "tfds_text"] = "synthetic"
+    # library), tfds_text (token windows of a tfds Text feature); tokens as data.tokenizer says;
+    # tokens (windows of a corpus prepared by `python -m meshpar.data prepare`, at data.path).
+    source: Literal["synthetic", "tfds", "text", "tfds_text", "tokens"] = "synthetic"
     # synthetic: train / eval rows, input width ("pixels") and number of classes (labels are int32).
     num_examples: int = dataclasses.field(default=16384, metadata=at_least(1))
     num_eval_examples: int = dataclasses.field(default=2048, metadata=at_least(0))
@@ -59,6 +60,21 @@ class DataConfig:
     # model.vocab_size must be at least the tokenizer's. Token streams are cached in
     # ~/.cache/meshpar/tokens (environment variable MESHPAR_TOKEN_CACHE; "" = no cache).
     tokenizer: str = ""
+    # tokens: the prepared corpus's folder (its manifest.json names the tokenizer, which
+    # data.tokenizer may repeat but not contradict); data.split / data.eval_split name its
+    # splits (prepare writes train and eval; eval_split "" = no eval). Windows of data.length + 1:
+    # packed = documents end to end with the end-of-document token between them; document =
+    # windows never cross a document (the tail of each that does not fill a window is dropped).
+    # verify: check every shard's sha256 against the manifest when the corpus opens (one read
+    # of the corpus; ids beyond the vocabulary are refused on every read either way).
+    path: str = ""
+    windows: Literal["packed", "document"] = "packed"
+    verify: bool = True
+    # Worker processes that assemble host batches (Grain, spawned; batches reach this process
+    # through shared memory); 0 = in the training process. Every batch's content and order are
+    # the same for every value, so a run may resume with another; eval reads in this process.
+    # At most 256 (no host needs more, and each costs a process's start-up and memory).
+    workers: int = dataclasses.field(default=0, metadata=between(0, 256))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +345,7 @@ def from_dict(raw: Any) -> Config:
 
 # Folder and file settings: each becomes a path the run creates or reads ("byte", data.tokenizer's
 # other value, passes as a name).
-PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "data.tokenizer", "compile_cache.dir")
+PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "data.tokenizer", "data.path", "compile_cache.dir")
 # The longest file name (one path component, in bytes) and path that Linux and macOS file systems
 # take; a longer one fails deep inside a library (orbax, tfds) instead of here.
 NAME_MAX, PATH_MAX = 255, 4095
@@ -358,6 +374,10 @@ def _check_coordinator(address: str) -> None:
         bad = "has a host name that is not printable ASCII without spaces"
     if bad:
         raise ConfigError("distributed.coordinator", f"{short(address)} {bad} (e.g. 10.0.0.1:1234)")
+
+
+# The sources whose examples are windows of data.length + 1 token ids.
+WINDOW_SOURCES = ("text", "tfds_text", "tokens")
 
 
 def check(cfg: Config) -> None:
@@ -390,17 +410,23 @@ def check(cfg: Config) -> None:
         raise ConfigError("data.data_dir", f"required when data.source is {cfg.data.source} (data is read offline)")
     if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.split:
         raise ConfigError("data.split", f"required when data.source is {cfg.data.source} (the split to train on)")
+    if cfg.data.source == "tokens" and not cfg.data.path:
+        raise ConfigError("data.path", "required when data.source is tokens (a folder written by python -m meshpar.data prepare)")
+    if cfg.data.source == "tokens" and not cfg.data.split:
+        raise ConfigError("data.split", "required when data.source is tokens (the corpus's split to train on, e.g. train)")
+    if cfg.feed.reuse_buffers and cfg.data.workers:
+        raise ConfigError("feed.reuse_buffers", f"needs data.workers: 0 (with {cfg.data.workers} workers, batches arrive in shared memory)")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume == "auto":
         raise ConfigError("checkpoint.overwrite", "replaces the earlier run, so it cannot be combined with --resume")
     for i, key in enumerate(cfg.checkpoint.allow_changes):
         if not _is_key(cfg, key):
             raise ConfigError(f"checkpoint.allow_changes[{i}]", f"{short(key)} is not a config key or section")
     max_length = getattr(cfg.model, "max_length", None)
-    if cfg.data.source in ("text", "tfds_text") and max_length is not None and cfg.data.length > max_length:
+    if cfg.data.source in WINDOW_SOURCES and max_length is not None and cfg.data.length > max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
     _check_offload(cfg)
     block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
-    if cfg.data.source in ("text", "tfds_text") and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
+    if cfg.data.source in WINDOW_SOURCES and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
         raise ConfigError(
             "model.attention_block", f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)"
         )

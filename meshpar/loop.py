@@ -50,8 +50,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshpar import config as config_lib
 from meshpar import mesh as mesh_lib
 from meshpar import throughput
-from meshpar.checkpoint import Checkpointer
-from meshpar.errors import OutputError, TrainingError
+from meshpar.checkpoint import Checkpointer, CheckpointError
+from meshpar.errors import DataError, OutputError, TrainingError
 from meshpar.experiment import Experiment
 from meshpar.metrics import MetricsWriter, RunStats, write_summary
 from meshpar.profiler import StepTrace
@@ -78,7 +78,7 @@ def evaluate(exp: Experiment, state) -> dict[str, float]:
 
 # The config key that, when zero or empty, leaves a data source without an eval split.
 _EVAL_SPLIT_KEY = {"synthetic": "data.num_eval_examples", "tfds": "data.eval_split", "tfds_text": "data.eval_split",
-                   "text": "data.eval_fraction"}
+                   "text": "data.eval_fraction", "tokens": "data.eval_split"}
 
 
 def _steps(first: int, last: int) -> str:
@@ -128,6 +128,17 @@ def _last_saved(ckpt: Checkpointer | None) -> str:
     return f"last checkpoint saved: step {ckpt.last_saved}" if ckpt.last_saved is not None else "no checkpoint saved"
 
 
+def _committed(ckpt: Checkpointer | None) -> str:
+    """:func:`_last_saved` once the save in flight, if any, has committed (the line a stopped
+    run ends with must name the checkpoint a resume will start from)."""
+    if ckpt is not None:
+        try:
+            ckpt.wait()
+        except CheckpointError as e:
+            return f"{_last_saved(ckpt)} (the save in flight failed: {e})"
+    return _last_saved(ckpt)
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched step whose results are not on the host yet."""
@@ -174,8 +185,8 @@ def train(exp: Experiment) -> dict:
                 else:
                     pending = current
             book.stats.stop()
-    except OutputError as e:
-        raise OutputError(f"{e}; {_last_saved(ckpt)}") from None
+    except (OutputError, DataError) as e:  # e.g. a corrupt shard, a data worker killed by the OS
+        raise type(e)(f"{e}; {_committed(ckpt)}") from None
     finally:
         try:
             if book is not None:

@@ -15,9 +15,7 @@ horizon it was saved with (``optimizer.decay_steps``, by default the first run's
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import pathlib
 from typing import Any
 
 from meshpar import config as config_lib
@@ -27,8 +25,9 @@ from meshpar.config import Config, ConfigError
 
 # Keys a resumed run must keep; a name without a dot is a whole section.
 KEPT = ("train.seed", "train.batch_size", "model", "optimizer", "data")
-# Where the data lives, not what it is: may move between runs.
-MOVABLE = ("data.data_dir", "data.corpus_dir")
+# Where the data lives and how it is read, not what it is: may change between runs (batches
+# are the same for any number of data.workers).
+MOVABLE = ("data.data_dir", "data.corpus_dir", "data.path", "data.workers", "data.verify")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -54,10 +53,8 @@ def record(cfg: Config, inputs) -> dict:
     values["optimizer.decay_steps"] = horizon(cfg)
     spec = {k: [list(shape), str(dtype)] for k, (shape, dtype) in inputs.element_spec.items()}
     values["data.train_examples"] = len(inputs.train.source)
-    tokenizer = getattr(inputs.train.source, "tokenizer", None)
-    if tokenizer is not None and tokenizer.name != "byte":
-        # The file's content, not its path: a tokenizer replaced in place would change every id.
-        values["data.tokenizer_sha256"] = hashlib.sha256(pathlib.Path(tokenizer.name).read_bytes()).hexdigest()
+    if inputs.tokenizer_sha256:  # the file's content, not its path (meshpar.inputs.tokenizer_sha256)
+        values["data.tokenizer_sha256"] = inputs.tokenizer_sha256
     values["data.element_spec"] = spec
     return json.loads(json.dumps({"config": values, "decay_steps": horizon(cfg)}))  # tuples → lists, as saved
 
@@ -76,6 +73,8 @@ def continued(cfg: Config, new: dict, saved: dict, step: int) -> dict:
     old_values, new_values = saved["config"], new["config"]
     for key in [*new_values, *(k for k in old_values if k not in new_values)]:  # config order
         old, now = old_values.get(key, "(absent)"), new_values.get(key, "(absent)")
+        if key not in old_values and now == _default(key):
+            continue  # a setting added after the run was saved, at its default: what that run did
         if old != now and not _allowed(key, allow):
             raise ConfigError(
                 key,
@@ -83,6 +82,15 @@ def continued(cfg: Config, new: dict, saved: dict, step: int) -> dict:
                 f"its settings (to change it anyway: checkpoint.allow_changes=[{key}])",
             )
     return new
+
+
+def _default(key: str) -> Any:
+    """A ``section.name`` key's default value as a record holds it (absent for others)."""
+    section, _, name = key.partition(".")
+    defaults = getattr(config_lib.Config(), section, None)
+    if not dataclasses.is_dataclass(defaults) or not hasattr(defaults, name):
+        return "(absent)"
+    return json.loads(json.dumps(dataclasses.asdict(defaults)[name]))
 
 
 def _show(value: Any) -> str:

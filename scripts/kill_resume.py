@@ -13,8 +13,10 @@
    train state (step, params, opt_state, rng) bit for bit; also the logged losses.
 
 Prints a table of the cycles and ``bit-identical: yes|NO (n leaves compared)``; writes
-``<workdir>/kill_resume.json``. Exit status 0 only if the states (and losses) are identical.
-Trailing ``section.key=value`` overrides apply to both runs (e.g. ``feed.mode=routed``).
+``<workdir>/kill_resume.json``. Exit status 0 only if the states (and losses) are identical
+and no process the killed run had started (e.g. its data workers) outlived it by more than
+a few seconds. Trailing ``section.key=value`` overrides apply to both runs (e.g.
+``feed.mode=routed``, or ``data.workers=2``: batches assembled in worker processes).
 
 The functions here are also used by tests/test_faults.py.
 """
@@ -72,6 +74,42 @@ def inflight_saves(ckpt_dir: str | Path) -> list[str]:
     """Folders of saves that never committed (left by a kill mid-save)."""
     d = Path(ckpt_dir)
     return sorted(p.name for p in d.iterdir() if "orbax-checkpoint-tmp" in p.name) if d.is_dir() else []
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc; [] elsewhere or once it is gone)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def still_running(pids: list[int], wait: float = 10.0) -> list[int]:
+    """The processes of `pids` still alive (not zombies) after up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +184,9 @@ def interrupt(config, workdir, overrides=(), *, target: int | None, sig=signal.S
                     time.sleep(delay)
         elif within is not None:
             time.sleep(within)
+        children = []
         if proc.poll() is None:
+            children = descendants(proc.pid)  # e.g. data workers, which must not outlive the run
             proc.send_signal(sig)
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -168,6 +208,9 @@ def interrupt(config, workdir, overrides=(), *, target: int | None, sig=signal.S
         "killed_at": last if last is not None and last > resumed_from else None,
         "checkpoints_after": committed_steps(ckpt),
         "inflight_after": inflight_saves(ckpt),
+        "children": len(children),
+        # processes the run had started that are still alive 10 s after it ended
+        "outlived": still_running(children) if sig == signal.SIGKILL else [],
     }
 
 
@@ -241,19 +284,27 @@ def kill_cycles(config, workdir, overrides=(), *, cycles: int, seed: int, steps:
         rec.update(cycle=i + 1, mode=mode, delay_s=round(delay, 3), within_s=within and round(within, 3))
         if rec["rc"] != -signal.SIGKILL:
             raise RuntimeError(f"cycle {i + 1}: the run ended with {rec['rc']} before the kill:\n{rec['stderr']}")
+        if rec["outlived"]:
+            raise RuntimeError(f"cycle {i + 1}: processes {rec['outlived']} of the killed run are still running")
         records.append(rec)
         log(_row(rec))
     return records
 
 
-HEADER = f"{'cycle':>5}  {'mode':<7}  {'resumed from':>12}  {'target':>6}  {'killed at':>9}  {'in-flight save':<14}  checkpoints after"
+HEADER = (
+    f"{'cycle':>5}  {'mode':<7}  {'resumed from':>12}  {'target':>6}  {'killed at':>9}  {'in-flight save':<14}  "
+    f"{'children':>8}  checkpoints after"
+)
 
 
 def _row(r: dict) -> str:
     target = "-" if r["target"] is None else r["target"] if r.get("within_s") is None else f"{r['within_s']:.1f}s"
     killed = "startup" if r["killed_at"] is None else r["killed_at"]
     inflight = ",".join(n.split(".")[0] for n in r["inflight_after"]) or "-"
-    return f"{r['cycle']:>5}  {r['mode']:<7}  {r['resumed_from']:>12}  {target!s:>6}  {killed!s:>9}  {inflight:<14}  {r['checkpoints_after']}"
+    return (
+        f"{r['cycle']:>5}  {r['mode']:<7}  {r['resumed_from']:>12}  {target!s:>6}  {killed!s:>9}  {inflight:<14}  "
+        f"{r['children']:>8}  {r['checkpoints_after']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

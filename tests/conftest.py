@@ -91,6 +91,10 @@ SMOKE = (
     "tests/test_generate.py::test_greedy_continuations_equal_transformers_generate_token_for_token",
     "tests/test_generate.py::test_decoding_with_the_cache_gives_the_full_forward_passs_logits[llama-gqa]",
     "tests/test_custom_model.py::test_a_family_with_only_the_required_parts_trains",
+    "tests/test_workers.py",
+    "tests/test_tokens.py",
+    "tests/test_inputs.py::test_training_is_the_same_for_0_and_2_workers_and_resumes_across_them",
+    "tests/test_inputs.py::test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoint",
 )
 
 

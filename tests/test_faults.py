@@ -86,21 +86,32 @@ def _resume(cfg_path, workdir, env, overrides=()):
 # feed.prefetch=0`): feeding does not touch what a kill can damage, and the suite keeps its time.
 @pytest.mark.parametrize(
     "feed",
-    [["feed.mode=direct"], pytest.param(["feed.mode=routed", "feed.prefetch=0"], marks=pytest.mark.slow)],
-    ids=["direct", "routed-prefetch0"],
+    [
+        ["feed.mode=direct"],
+        pytest.param(["feed.mode=routed", "feed.prefetch=0"], marks=pytest.mark.slow),
+        ["data.workers=2"],
+    ],
+    ids=["direct", "routed-prefetch0", "workers2"],
 )
 def test_kill9_cycles_then_resume_is_bit_identical(reference, cfg_path, env, tmp_path, feed):
-    # Routed feeding trains bit-identically to direct (tests/test_trainer.py), so one
-    # uninterrupted (direct) run is the reference for both.
+    # Routed feeding trains bit-identically to direct (tests/test_trainer.py), and worker
+    # processes assemble the same batches as the training process, so one uninterrupted run
+    # (direct, no workers) is the reference for all. With workers, the last run resumes with
+    # none: the data position in a checkpoint does not depend on them.
     workdir, rng = tmp_path / "run", random.Random(f"kill9 {feed}")
+    workers = "data.workers=2" in feed
     for cycle in range(3):
         last = max(kr.logged_steps(workdir), default=0)
         target = rng.randint(last + 1, last + max((STEPS - 6 - last) // (3 - cycle), 1))
         rec = kr.interrupt(cfg_path, workdir, feed, target=target, delay=rng.choice([0.0, rng.uniform(0, 0.02)]), env=env)
         assert rec["rc"] == -signal.SIGKILL, rec["stderr"]
         assert rec["killed_at"] >= target and max(rec["checkpoints_after"], default=0) <= rec["killed_at"]
-    assert _resume(cfg_path, workdir, env, feed) == []
-    _assert_like_reference(reference, cfg_path, workdir, feed)
+        if workers:  # the run had its workers (and their resource tracker) when it was killed; none outlives it
+            assert rec["children"] >= 2
+        assert rec["outlived"] == []
+    final = [f for f in feed if f != "data.workers=2"] if workers else feed
+    assert _resume(cfg_path, workdir, env, final) == []
+    _assert_like_reference(reference, cfg_path, workdir, final)
 
 
 def test_kill9_while_a_save_is_in_flight_keeps_the_previous_one(reference, cfg_path, env, tmp_path):

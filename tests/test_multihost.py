@@ -153,12 +153,16 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_saves_it(cfg_path, en
 
 
 def test_both_killed_after_a_checkpoint_then_resumed_end_bit_identical(reference, cfg_path, env, tmp_path):
+    # Killed while each process's batches come from 2 worker processes of its own, resumed with
+    # none: the data position is the step, whoever assembles the batches.
     workdir, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    procs = launch(cfg_path, workdir, f"checkpoint.every={EVERY}", env=env)
+    procs = launch(cfg_path, workdir, f"checkpoint.every={EVERY}", "data.workers=2", env=env)
     wait_until(lambda: bool(kr.committed_steps(ckpt)), procs)  # step 4 committed; 8 steps to go
+    children = [pid for p in procs for pid in kr.descendants(p.pid)]
     for p in procs:
         p.kill()
     assert [rc for rc, _ in finish(procs)] == [-signal.SIGKILL] * 2
+    assert len(children) >= 4 and kr.still_running(children) == []  # no worker outlives its process
     killed_at = max(kr.logged_steps(workdir))
     assert EVERY <= kr.committed_steps(ckpt)[-1] < 12 and killed_at < 12
     run_two(cfg_path, workdir, f"checkpoint.every={EVERY}", env=env, resume=True)
