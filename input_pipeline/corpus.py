@@ -1,26 +1,7 @@
 """Preparing a tokenized corpus: files and JSON lines → shards on disk (:mod:`input_pipeline.tokens`).
 
-Inputs are files and folders. A folder is walked recursively and its files taken in the order
-of their relative posix paths, as :class:`input_pipeline.text.TextSource` takes the standard
-library's (hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages`` skipped,
-and the output folder when it lies inside). ``include`` globs filter them (default: every
-file): a glob without ``/`` matches a file's name, one with ``/`` its relative path (both
-case-sensitive, so a corpus is the same on every machine). A file named directly is always taken.
-A plain file is one document, its bytes. A ``.jsonl`` file (or ``.jsonl.gz``) holds one
-document per line: the ``text_field`` string of each JSON object (blank lines skipped).
-
-Train/eval is decided per document by :func:`input_pipeline.text.is_eval_file` on a key: a
-file's relative path (its name, for a file named directly), exactly as ``TextSource`` keys it,
-so a byte-tokenized ``--stdlib`` corpus has TextSource's documents, order and split; a JSON
-line's key is ``"<relative path>:<byte offset of the line>"`` (in the decompressed text, for
-``.jsonl.gz``).
-
-Work is cut into *units*: runs of consecutive whole files of up to ``shard_mb`` MB (10**6
-bytes) of input; a larger ``.jsonl`` is cut into byte ranges of that size, each owning the
-lines that *start* inside it (a ``.jsonl.gz`` cannot be cut: it is one unit). Unit ``u``
-writes at most one train and one eval shard, ``train-<u>`` and ``eval-<u>``, so the shards in
-unit order hold the documents in their global order, whatever finished first. The units, not
-the worker count, decide the output: any ``workers`` gives the same bytes.
+What the inputs are (files, folders, JSON lines), how each document's train/eval key is made
+and how the work is cut into units: :mod:`input_pipeline.documents`.
 
 Units run in a ``spawn`` process pool (``workers`` processes, each loading the tokenizer once),
 or in this process when one worker (or one unit) is left. A corpus of one unit (the standard
@@ -49,22 +30,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import fnmatch
-import gzip
 import hashlib
 import json
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from input_pipeline import documents as documents_lib
 from input_pipeline import text as text_lib
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import tokens as tokens_lib
 from input_pipeline.errors import DataError
 from input_pipeline.tokenizer import Tokenizer
+from input_pipeline.workers import exit_with_parent
 
 PLAN_FORMAT = "meshpar-tokens-plan"
 PLAN_VERSION = 1
@@ -79,15 +60,6 @@ STDLIB_INCLUDE = ("*.py",)
 _CHUNK_BYTES = 4 << 20
 
 Progress = Callable[[int, int], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class InputFile:
-    path: str  # absolute
-    key: str  # relative posix path: the train/eval key
-    size: int
-    mtime_ns: int
-    kind: str  # "text", "jsonl" or "jsonl.gz"
 
 
 @dataclasses.dataclass
@@ -105,163 +77,6 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs and units
-
-
-def _kind(name: str) -> str:
-    if name.endswith(".jsonl"):
-        return "jsonl"
-    if name.endswith(".jsonl.gz"):
-        return "jsonl.gz"
-    return "text"
-
-
-def _included(rel: str, include: Sequence[str] | None) -> bool:
-    if not include:
-        return True
-    name = rel.rsplit("/", 1)[-1]
-    return any(fnmatch.fnmatchcase(rel if "/" in g else name, g) for g in include)
-
-
-def _stat(path: str, key: str) -> InputFile:
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-    return InputFile(path, key, st.st_size, st.st_mtime_ns, _kind(key))
-
-
-def list_inputs(paths: Sequence[str], include: Sequence[str] | None = None, skip: str | None = None) -> list[InputFile]:
-    """The input files of `paths` (files and folders), in corpus order (see the module's docstring);
-    `skip`: a folder left out of the walk (the output)."""
-    skip_real = os.path.realpath(skip) if skip else None
-    found: list[InputFile] = []
-    for given in paths:
-        path = os.path.abspath(os.path.expanduser(given))
-        if os.path.isfile(path):
-            found.append(_stat(path, os.path.basename(path)))
-            continue
-        if not os.path.isdir(path):
-            raise DataError(f"input {given}: no such file or folder")
-        rels = []
-        for root, dirs, files in os.walk(path):
-            dirs[:] = [
-                d
-                for d in dirs
-                if not d.startswith(".")
-                and d not in text_lib._SKIP_DIRS
-                and os.path.realpath(os.path.join(root, d)) != skip_real
-            ]
-            rel_root = os.path.relpath(root, path)
-            for f in files:
-                if f.startswith("."):
-                    continue
-                rel = f if rel_root == "." else f"{rel_root.replace(os.sep, '/')}/{f}"
-                if _included(rel, include):
-                    rels.append(rel)
-        for rel in sorted(rels):
-            found.append(_stat(os.path.join(path, *rel.split("/")), rel))
-    if not found:
-        globs = f" matching {', '.join(include)}" if include else ""
-        raise DataError(f"no input files{globs} in {', '.join(paths)}")
-    return found
-
-
-def make_units(files: Sequence[InputFile], unit_bytes: int) -> list[list[list[int]]]:
-    """Units of work: each a list of ``[file number, start byte, end byte]`` pieces."""
-    units: list[list[list[int]]] = []
-    current: list[list[int]] = []
-    size = 0
-    for i, f in enumerate(files):
-        if f.kind == "jsonl" and f.size > unit_bytes:  # cut at byte ranges, each its own unit
-            if current:
-                units.append(current)
-                current, size = [], 0
-            for start in range(0, f.size, unit_bytes):
-                units.append([[i, start, min(start + unit_bytes, f.size)]])
-            continue
-        if current and size + f.size > unit_bytes:
-            units.append(current)
-            current, size = [], 0
-        current.append([i, 0, f.size])
-        size += f.size
-    if current:
-        units.append(current)
-    return units
-
-
-# ---------------------------------------------------------------------------------------------
-# Documents
-
-
-def _documents(f: InputFile, start: int, end: int, text_field: str) -> Iterator[tuple[str | None, bytes, int]]:
-    """(split key, document bytes, input bytes consumed) of a piece of an input file; a blank
-    line gives a key of None (bytes consumed, no document)."""
-    current = os.stat(f.path)
-    if (current.st_size, current.st_mtime_ns) != (f.size, f.mtime_ns):
-        raise DataError(f"{f.path}: changed since the preparation was planned (size or modification time)")
-    if f.kind == "text":
-        with open(f.path, "rb") as fh:
-            data = fh.read()
-        if len(data) != f.size:
-            raise DataError(f"{f.path}: changed while it was read ({len(data)} bytes, planned {f.size})")
-        yield f.key, data, f.size
-        return
-    opener = gzip.open if f.kind == "jsonl.gz" else open
-    try:
-        with opener(f.path, "rb") as fh:
-            if f.kind == "jsonl.gz":
-                end, pos = float("inf"), 0  # one unit: every line
-            elif start > 0:
-                fh.seek(start - 1)
-                fh.readline()  # the rest of a line that started before this range (maybe just its "\n")
-                pos = fh.tell()
-            else:
-                pos = 0
-            while pos < end:
-                line = fh.readline()
-                if not line:
-                    break
-                if line.strip():
-                    yield f"{f.key}:{pos}", _line_text(f, pos, line, text_field), len(line)
-                else:
-                    yield None, b"", len(line)
-                pos += len(line)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(f"{f.path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-
-
-def _line_text(f: InputFile, pos: int, line: bytes, field: str) -> bytes:
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{f.path} line {_line_number(f, pos)}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{f.path} line {_line_number(f, pos)}: a JSON {type(obj).__name__}, not an object")
-    if field not in obj:
-        raise DataError(f"{f.path} line {_line_number(f, pos)}: no field {field!r}")
-    value = obj[field]
-    if not isinstance(value, str):
-        kind = type(value).__name__
-        raise DataError(f"{f.path} line {_line_number(f, pos)}: field {field!r} is a {kind}, not a string")
-    return value.encode("utf-8", errors="surrogatepass")
-
-
-def _line_number(f: InputFile, pos: int) -> int:
-    """1-based number of the line starting at byte `pos` (for errors only: reads the file's start)."""
-    opener = gzip.open if f.kind == "jsonl.gz" else open
-    count, left = 0, pos
-    with opener(f.path, "rb") as fh:
-        while left > 0:
-            chunk = fh.read(min(left, 1 << 20))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            left -= len(chunk)
-    return count + 1
-
-
-# ---------------------------------------------------------------------------------------------
 # One unit
 
 
@@ -272,7 +87,7 @@ def _unit_file(out: str, unit: int) -> str:
 def run_unit(
     out: str,
     unit: int,
-    pieces: Sequence[tuple[InputFile, int, int]],
+    pieces: Sequence[tuple[documents_lib.InputFile, int, int]],
     tokenizer: Tokenizer,
     eval_fraction: float,
     text_field: str,
@@ -295,7 +110,7 @@ def run_unit(
         size = consumed = 0
 
     for f, start, end in pieces:
-        for key, data, used in _documents(f, start, end, text_field):
+        for key, data, used in documents_lib.documents(f, start, end, text_field):
             consumed += used
             if key is None:
                 continue
@@ -336,8 +151,11 @@ def _unit_done(out: str, unit: int) -> dict | None:
         return None
 
 
-def _init_worker() -> None:
+def _init_worker(parent_pid: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the library first runs (see the module's docstring)
+    # A pool's workers outlive a SIGKILLed preparer (blocked on its queue, forever) and could
+    # still be renaming shards into the folder when the rerun starts: they go with it.
+    exit_with_parent(parent_pid)
 
 
 def _worker_unit(job: tuple) -> tuple[int, dict]:
@@ -454,8 +272,8 @@ def _prepare(
 
     tok = tokenizer_lib.load(tokenizer)
     hf_file = None if isinstance(tok, tokenizer_lib.ByteTokenizer) else tokenizer_lib.tokenizer_file(tokenizer)
-    files = list_inputs(inputs, include, skip=out)
-    units = make_units(files, max(1, int(shard_mb * MB)))
+    files = documents_lib.list_inputs(inputs, include, skip=out)
+    units = documents_lib.make_units(files, max(1, int(shard_mb * MB)))
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -536,7 +354,7 @@ def _prepare(
         progress(done, total)
     todo = [u for u in range(len(units)) if u not in records]
 
-    def pieces(u: int) -> list[tuple[InputFile, int, int]]:
+    def pieces(u: int) -> list[tuple[documents_lib.InputFile, int, int]]:
         return [(files[i], s, e) for i, s, e in units[u]]
 
     bytes_read = 0
@@ -561,7 +379,8 @@ def _prepare(
         # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out
         # of memory) fails the preparation instead of leaving it waiting forever for the unit.
         pool = concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+            min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(os.getpid(),),
         )
         try:
             futures = {pool.submit(_worker_unit, job): job[3] for job in jobs}

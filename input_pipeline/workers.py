@@ -72,7 +72,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,20 +122,29 @@ class _WorkerInit:
         with open(f"{path}.tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(f"{path}.tmp", path)  # the parent never reads half a pid
-        threading.Thread(target=self._watch_parent, args=(path,), name="parent-watch", daemon=True).start()
-
-    def _watch_parent(self, pid_path: str) -> None:
-        # A dead parent's children are re-parented (to init or a subreaper): the pid changes.
-        while os.getppid() == self.parent_pid:
-            time.sleep(_PARENT_POLL_S)
         # The parent could not clean up: the last worker out removes the pid folder. Shared memory
         # is unlinked by the parent's resource tracker once every worker is gone.
-        for remove in (lambda: os.remove(pid_path), lambda: os.rmdir(self.pid_dir)):
+        exit_with_parent(self.parent_pid, before_exit=(lambda: os.remove(path), lambda: os.rmdir(self.pid_dir)))
+
+
+def exit_with_parent(parent_pid: int, before_exit: Sequence[Callable[[], None]] = ()) -> None:
+    """In a worker process: exit as soon as `parent_pid`, the process that started it, is gone,
+    even after a SIGKILL that ran no clean-up there (a daemon thread polls the parent's pid: a
+    dead parent's children are re-parented, to init or a subreaper). `before_exit` run first;
+    an OSError in one is ignored. A parent-death signal (``prctl``) would not do: it fires when
+    the *thread* that started the worker exits, and pools start workers from helper threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        for step in before_exit:
             try:
-                remove()
+                step()
             except OSError:
                 pass
         os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _detach(array) -> np.ndarray:

@@ -194,10 +194,33 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_kill_9_then_rerun_gives_the_same_corpus(tmp_path):
     src, ref, out = tmp_path / "in", tmp_path / "ref", tmp_path / "out"
     _big_jsonl(src)
-    opts = ["--tokenizer", BPE_2K, "--input", str(src), "--shard-mb", "0.002", "--workers", "1"]
+    opts = ["--tokenizer", BPE_2K, "--input", str(src), "--shard-mb", "0.002", "--workers", "2"]
     opts += ["--eval-fraction", "0.1"]
     corpus_lib.prepare(BPE_2K, [str(src)], str(ref), workers=1, shard_mb=0.002, eval_fraction=0.1)
     units = len(list((ref / "units").iterdir()))
@@ -212,9 +235,15 @@ def test_kill_9_then_rerun_gives_the_same_corpus(tmp_path):
         while not (out / "units").is_dir() or len(os.listdir(out / "units")) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "it ended before it could be killed"
             time.sleep(0.002)
-        os.killpg(proc.pid, signal.SIGKILL)
+        pool = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # the preparer alone: its pool's workers must follow it
     finally:
         proc.wait()
+    assert len(pool) >= 2
+    deadline = time.monotonic() + 10
+    while [p for p in pool if _running(p)]:
+        assert time.monotonic() < deadline, f"workers {pool} outlived the killed preparer"
+        time.sleep(0.05)
     done = [n for n in os.listdir(out / "units") if n.endswith(".json")]
     assert not (out / "manifest.json").exists() and 3 <= len(done) < units
     with pytest.raises(DataError, match="preparation did not finish.*resumes"):

@@ -17,10 +17,10 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
+from input_pipeline import corpus
 from input_pipeline.batching import HostLoader
 from input_pipeline.errors import DataError
 from input_pipeline.synthetic import SyntheticSource
-from input_pipeline import corpus
 from input_pipeline.text import TextSource, stdlib_dir
 from input_pipeline.tokens import TokenSource
 from input_pipeline.workers import WorkerBatches
