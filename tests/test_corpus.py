@@ -4,6 +4,7 @@ and split read back from the shards, resuming after kill -9, refusals, workers, 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import pathlib
@@ -23,6 +24,9 @@ from input_pipeline import tokens as tokens_lib
 from input_pipeline.errors import DataError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "scripts" / "kill_resume.py")
+kr = importlib.util.module_from_spec(_spec)  # its process helpers: what a killed run left running
+_spec.loader.exec_module(kr)
 BPE_2K = str(ROOT / "experiments" / "tokenizers" / "stdlib-bpe-2k.json")
 STDLIB_PACKAGES = ("json", "wsgiref", "importlib/metadata", "concurrent")
 
@@ -194,29 +198,6 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in os.listdir(f"/proc/{parent}/task"):
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_kill_9_then_rerun_gives_the_same_corpus(tmp_path):
     src, ref, out = tmp_path / "in", tmp_path / "ref", tmp_path / "out"
     _big_jsonl(src)
@@ -235,15 +216,11 @@ def test_kill_9_then_rerun_gives_the_same_corpus(tmp_path):
         while not (out / "units").is_dir() or len(os.listdir(out / "units")) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "it ended before it could be killed"
             time.sleep(0.002)
-        pool = _descendants(proc.pid)
+        pool = kr.descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # the preparer alone: its pool's workers must follow it
     finally:
         proc.wait()
-    assert len(pool) >= 2
-    deadline = time.monotonic() + 10
-    while [p for p in pool if _running(p)]:
-        assert time.monotonic() < deadline, f"workers {pool} outlived the killed preparer"
-        time.sleep(0.05)
+    assert len(pool) >= 2 and kr.still_running(pool) == [], f"workers {pool} outlived the killed preparer"
     done = [n for n in os.listdir(out / "units") if n.endswith(".json")]
     assert not (out / "manifest.json").exists() and 3 <= len(done) < units
     with pytest.raises(DataError, match="preparation did not finish.*resumes"):
