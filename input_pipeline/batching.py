@@ -84,6 +84,18 @@ class HostLoader:
             step += 1
 
 
+def checked_indices(indices, length: int, what: str) -> np.ndarray:
+    """`indices` as int64 positions into a source of `length` examples (`what`, for the message):
+    every source's read checks them this way; IndexError for a shape, dtype or position that
+    is not one."""
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+    if idx.size and (idx.min() < 0 or idx.max() >= length):
+        raise IndexError(f"indices out of range [0, {length}) for {what}: min={idx.min()} max={idx.max()}")
+    return idx.astype(np.int64, copy=False)
+
+
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """An uninitialised array whose data starts on an `align`-byte boundary."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize

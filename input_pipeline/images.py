@@ -56,6 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, UnidentifiedImageError
 
+from input_pipeline.batching import checked_indices
 from input_pipeline.errors import DataError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -216,11 +217,7 @@ class JpegRecords:
 
     def read_into(self, indices: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """:meth:`read` into `out`'s buffers (the loader's reused host buffers)."""
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"indices out of range [0, {self._len}) for {self.path}: min={idx.min()} max={idx.max()}")
+        idx = checked_indices(indices, self._len, self.path)
         positions = idx.tolist()
         try:
             records = self._reader.read(positions)

@@ -34,6 +34,7 @@ from typing import Literal
 import numpy as np
 
 from input_pipeline import tokenizer as tokenizer_lib
+from input_pipeline.batching import checked_indices
 from input_pipeline.errors import DataError
 from input_pipeline.tfds_source import TfdsSource  # tfds itself loads only when a source opens
 from input_pipeline.tokenizer import Tokenizer, token_dtype
@@ -82,12 +83,8 @@ class TextWindows:
         return {"tokens": ((self.length + 1,), self.tokens.dtype)}
 
     def _positions(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"indices out of range [0, {self._len}) for {self.what}: min={idx.min()} max={idx.max()}")
-        return idx.astype(np.int64)[:, None] * self.length + np.arange(self.length + 1)  # [n, length + 1]
+        idx = checked_indices(indices, self._len, self.what)
+        return idx[:, None] * self.length + np.arange(self.length + 1)  # [n, length + 1]
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Windows at `indices`, in that order: ``{"tokens": [n, length + 1]}``."""

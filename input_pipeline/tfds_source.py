@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from input_pipeline.batching import checked_indices
 from input_pipeline.errors import DataError
 
 Spec = tuple[tuple[int, ...], np.dtype]
@@ -207,14 +208,7 @@ class TfdsSource:
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Rows at `indices`, in that order, stacked per output field."""
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(
-                f"indices out of range [0, {self._len}) for {self.name!r} split "
-                f"{self.split!r}: min={idx.min()} max={idx.max()}"
-            )
+        idx = checked_indices(indices, self._len, f"{self.name!r} split {self.split!r}")
         if idx.size == 0:
             return {k: np.zeros((0, *s), dtype=d) for k, (s, d) in self._spec.items()}
         keys = [int(i) for i in idx]

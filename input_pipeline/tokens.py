@@ -78,6 +78,7 @@ from typing import Literal
 
 import numpy as np
 
+from input_pipeline.batching import checked_indices
 from input_pipeline.errors import DataError
 from input_pipeline.tokenizer import BYTE, token_dtype
 
@@ -383,12 +384,7 @@ class TokenSource:
         self._fill(self._indices(indices), out["tokens"])
 
     def _indices(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise IndexError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"indices out of range [0, {self._len}) for {self.what}: min={idx.min()} max={idx.max()}")
-        return idx.astype(np.int64, copy=False)
+        return checked_indices(indices, self._len, self.what)
 
     def _fill(self, idx: np.ndarray, out: np.ndarray) -> None:
         window = self.length + 1
