@@ -166,6 +166,9 @@ class Checkpointer:
         # The digest program compiled ahead of time by the memory pre-flight, for this run's state
         # (meshpar.plan.programs); None = compile it at the first save.
         self.digest_program = None
+        # State → what is saved: a pipeline's state in the canonical layer order
+        # (meshpar.trainer.StatePlan.canonical); the identity by default.
+        self.to_saved: Callable[[Any], Any] = lambda state: state
         import orbax.checkpoint as ocp  # here: runs without checkpoints start without orbax
 
         options = ocp.CheckpointManagerOptions(
@@ -226,6 +229,7 @@ class Checkpointer:
             # A fresh run refuses a folder with steps and a resumed one starts after its newest
             # step; a step of this number is not this run's to replace.
             raise CheckpointError(f"step {step} already exists in {self.directory} and was not saved by this run")
+        state = self.to_saved(state)
         nested, names, _ = _nest(state)
         leaves = jax.tree.leaves(state)
         digests = {

@@ -19,11 +19,12 @@ import yaml
 # `import jax` (see meshpar.mesh), so the value is reported here in one line.
 from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
+from meshpar import pipeline as pipeline_lib
 from meshpar import models as models_lib
 from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
 from meshpar.schema import parse_yaml
 
-__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "from_dict", "load", "read", "to_dict"]
+__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "check_pipeline", "from_dict", "load", "read", "to_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,9 @@ class TrainConfig:
     eval_every: int = dataclasses.field(default=0, metadata=at_least(0))
     eval_batches: int = dataclasses.field(default=4, metadata=at_least(1))
     # Gradient accumulation: each step's batch is split into this many microbatches inside the
-    # jitted step (each device splits its own rows), their gradients summed, one update.
+    # jitted step (each device splits its own rows), their gradients summed, one update. Under a
+    # stage axis (layers:<axis> in the layout) they are the pipeline's microbatches instead: the
+    # stages pass them along, one per tick (see the pipeline section); the update is the same.
     microbatches: int = dataclasses.field(default=1, metadata=between(1, INT32_MAX))
     # Show the rich progress bar (off in tests and under CI logs).
     progress: bool = True
@@ -240,6 +243,21 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    # Pipeline parallelism (meshpar.pipeline), on when the layout puts layers on a mesh axis,
+    # the stage axis (layers:stage): its size is the number of stages, train.microbatches the
+    # microbatches. gpipe: stage s holds the s-th contiguous slice of the layers; each
+    # microbatch passes the stages once (bubble (S-1)/(M+S-1)). circular: each stage holds
+    # `repeats` groups of layers, not contiguous, and a microbatch passes the stages `repeats`
+    # times (bubble (S-1)/(R*M+S-1)); needs microbatches >= stages. Checkpoints keep layers in
+    # their canonical order either way.
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    # Groups of layers per stage for the circular schedule (gpipe: must be 1); the layers must
+    # divide by stages × repeats.
+    repeats: int = dataclasses.field(default=1, metadata=between(1, INT32_MAX))
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileCacheConfig:
     # JAX's persistent compilation cache: compiled programs are kept in this folder and reused
     # by the next start of the same program ("~" is the home folder; "" = no cache). The
@@ -276,6 +294,7 @@ class Config:
     hardware: HardwareConfig = HardwareConfig()  # peak TFLOP/s (for MFU) and memory per device
     plan: PlanConfig = PlanConfig()  # the memory pre-flight before a run allocates anything
     offload: OffloadConfig = OffloadConfig()  # host offload of optimizer state, parameters, activations
+    pipeline: PipelineConfig = PipelineConfig()  # the schedule of a stage axis (layers:<axis> in the layout)
     compile_cache: CompileCacheConfig = CompileCacheConfig()  # JAX's persistent compilation cache
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
@@ -404,6 +423,7 @@ def check(cfg: Config) -> None:
         if not 0 <= b < 1:
             raise ConfigError(f"optimizer.{name}", f"must be in [0, 1), got {b}")
     check_batch_size(cfg, dict(cfg.mesh))
+    check_pipeline(cfg, dict(cfg.mesh))
     if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.name:
         raise ConfigError("data.name", f"required when data.source is {cfg.data.source}")
     if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.data_dir:
@@ -480,6 +500,37 @@ def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
     if (batch // n) % k:
         shards = f"the {batch // n} rows of each of the {n} batch shards ({rule})" if names else f"the batch of {batch}"
         raise ConfigError("train.microbatches", f"{k} does not divide {shards}")
+
+
+def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
+    """A stage axis (``layers:<axis>``) the model, the microbatches and the schedule allow; the
+    pipeline's settings only with one. A -1 axis is skipped as in :func:`check_batch_size`."""
+    p = cfg.pipeline
+    if p.repeats > 1 and p.schedule != "circular":
+        raise ConfigError("pipeline.repeats", f"{p.repeats} groups of layers per stage need pipeline.schedule: circular")
+    axes = dict(layout_lib.on_mesh(cfg.layout, mesh_shape)).get("layers")
+    if axes is None:
+        if p.schedule != "gpipe" or p.repeats > 1:
+            raise ConfigError("pipeline.schedule", f"{p.schedule} needs a stage axis: a layout rule layers:<mesh axis>")
+        return
+    if isinstance(axes, tuple):
+        raise ConfigError("layout", f"layers:{layout_lib.format_axes(axes)}: the layers split over one mesh axis, the stage axis")
+    for key, rules in (("layout", cfg.layout), ("param_layout", cfg.param_layout)):
+        for dim, on in layout_lib.on_mesh(rules, mesh_shape):
+            if dim != "layers" and axes in ((on,) if isinstance(on, str) else on):
+                raise ConfigError(
+                    key, f"{dim}:{layout_lib.format_axes(on)} uses the stage axis '{axes}' (layers:{axes}); a stage axis "
+                    "carries only layers",
+                )  # fmt: skip
+    if mesh_shape[axes] <= 0:
+        return
+    if cfg.offload.params or cfg.offload.activations != "none":
+        key = "offload.params" if cfg.offload.params else "offload.activations"
+        raise ConfigError(key, f"host offload inside a pipeline's stages is not supported (layers:{axes}); offload.optimizer is")
+    sched = pipeline_lib.Schedule(axes, mesh_shape[axes], cfg.train.microbatches, p.schedule, p.repeats)
+    problem = pipeline_lib.problem(sched, getattr(cfg.model, "n_layers", None))
+    if problem:
+        raise ConfigError(*problem)
 
 
 def _is_key(cfg: Config, key: str) -> bool:

@@ -100,7 +100,7 @@ def build(cfg: Config) -> Experiment:
     resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
     if resumed:
         horizon = record["decay_steps"]
-        state, record = resumed.state, resumed.record
+        state, record = plan.stored(resumed.state), resumed.record  # checkpoints hold layers in canonical order
         if record["decay_steps"] != horizon:
             step = step.with_optimizer(cfg, trainer.make_optimizer(cfg.optimizer, record["decay_steps"]))
             # The pre-flight's step (only there with plan.check) was compiled for the other horizon.
@@ -110,13 +110,14 @@ def build(cfg: Config) -> Experiment:
     else:
         state = plan.materialize(layout, mesh)
     train_step = step.step
-    eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings)
+    eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings, plan.schedule)
     if "train step" in compiled:
         train_step = _compiled_step(compiled["train step"], train_step)
     if "eval step" in compiled:
         eval_step = _compiled_step(compiled["eval step"], eval_step)
     if checkpointer is not None:
         checkpointer.digest_program = compiled.get("checkpoint digest")
+        checkpointer.to_saved = plan.canonical
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
     flops = family.flops_per_example and family.flops_per_example(cfg.model, inputs.element_spec)
     tokens = family.tokens_per_example(cfg.model, inputs.element_spec)

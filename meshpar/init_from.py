@@ -246,6 +246,7 @@ def initial_state(cfg: Config, source, plan: trainer.StatePlan, tx) -> trainer.T
 def fresh_state(params, plan: trainer.StatePlan, tx, seed: int) -> trainer.TrainState:
     def init(params):
         _, state_rng = jax.random.split(jax.random.key(seed))  # as plan_state's init splits it
+        params = plan.reorder.to_stored(params)  # a pipeline's layer order (source weights are canonical)
         return trainer.TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.key_data(state_rng)
         )

@@ -257,6 +257,22 @@ def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> Iterat
         _ACTIVE.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing :func:`activate` block, or None."""
+    active = _ACTIVE.get()
+    return None if active is None else active[1]
+
+
+def _sharding(layout: Layout, mesh: Mesh, dims: Sequence[str | None]) -> NamedSharding:
+    """`layout`'s sharding of `dims`, over `mesh`, or inside a ``shard_map`` region (a pipeline's
+    stages: :mod:`meshpar.pipeline`) over the abstract mesh whose manual axes it names, as jax
+    requires there; the spec never names a manual axis, as no activation's dim is on it."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if getattr(abstract, "manual_axes", ()):
+        return NamedSharding(abstract, layout.spec(dims))
+    return layout.sharding(mesh, dims)
+
+
 def platform() -> str:
     """The platform the model being traced is compiled for: that of the active mesh's devices
     (a compile target's, e.g. a GPU's compile-only devices on a host without one), else the
@@ -314,7 +330,7 @@ def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
         w = w.astype(dtype)
         if active is not None and active[0].param_rules:
             layout, mesh = active
-            w = jax.lax.with_sharding_constraint(w, layout.params.sharding(mesh, dims))
+            w = jax.lax.with_sharding_constraint(w, _sharding(layout.params, mesh, dims))
     return constrain(w, dims)
 
 
@@ -332,4 +348,4 @@ def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     if seen is not None:
         seen.update(d for d in dims if d is not None)
     layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
-    return jax.lax.with_sharding_constraint(x, layout.sharding(mesh, dims))
+    return jax.lax.with_sharding_constraint(x, _sharding(layout, mesh, dims))

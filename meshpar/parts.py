@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from meshpar import compile_cache, distributed, resume, stop, trainer
+from meshpar import compile_cache, distributed, pipeline, resume, stop, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
@@ -76,6 +76,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
     """The config's layout (with ``param_layout`` on top) on `mesh`, once the batch is known to
     divide over it (a -1 batch axis has its size now)."""
     config_lib.check_batch_size(cfg, dict(mesh.shape))
+    config_lib.check_pipeline(cfg, dict(mesh.shape))
     return layout_for(cfg, dict(mesh.shape))
 
 
@@ -131,12 +132,18 @@ def plan_model(
     check_param_layout(cfg, mesh, trainer.param_dim_names(abstract_params))
     with config_key("param_layout" if cfg.param_layout else "layout", layout_lib.LayoutError):
         trainer.check_params(abstract_params, params_layout)  # before any sharding is made of them
-        plan = trainer.plan_state(build_model, tx, cfg.train.seed, params_layout, mesh)
+        plan = trainer.plan_state(build_model, tx, cfg.train.seed, params_layout, mesh, schedule(cfg, layout))
     off = cfg.offload
     plan = dataclasses.replace(plan, shardings=offload_lib.place_state(plan.shardings, off.optimizer, off.params))
     with config_key("layout", layout_lib.LayoutError):
         dims = trainer.check_activations(plan, layout, mesh, abstract_batch(cfg, element_spec))
     return tx, dataclasses.replace(plan, dims=dims | trainer.param_dim_names(abstract_params))
+
+
+def schedule(cfg: Config, layout: layout_lib.Layout) -> pipeline.Schedule | None:
+    """The pipeline the layout runs (a ``layers:<axis>`` rule), by the ``pipeline`` section and
+    ``train.microbatches``; None without a stage axis."""
+    return pipeline.schedule_for(layout, cfg.pipeline.schedule, cfg.pipeline.repeats, cfg.train.microbatches)
 
 
 def unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> list[str]:
@@ -158,9 +165,11 @@ def unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) 
 
 
 def say_unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> None:
-    """Print :func:`unused_rules` on stderr (from the first process only)."""
+    """Print :func:`unused_rules` on stderr (from the first process only), and the bubble a
+    GPipe schedule with fewer microbatches than stages costs (:func:`meshpar.pipeline.bubble_note`)."""
     if jax.process_index() == 0:
-        for line in unused_rules(cfg, mesh, plan):
+        note = plan.schedule and pipeline.bubble_note(plan.schedule)
+        for line in [*unused_rules(cfg, mesh, plan), *([note] if note else [])]:
             print(line, file=sys.stderr, flush=True)
 
 
@@ -196,6 +205,7 @@ def train_step(cfg: Config, mesh, layout, plan: trainer.StatePlan, tx, batch_sha
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
         cfg.offload.activations, activation_names=offload_lib.activation_names(cfg.model.name, cfg.offload.activations),
+        schedule=plan.schedule,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ computes every shard on the device that owns it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import layout as layout_lib
 from meshpar import offload as offload_lib
+from meshpar import pipeline
 from meshpar import stop as stop_lib
 from meshpar.config import OptimizerConfig
 from meshpar.models import remat as remat_lib
@@ -105,6 +107,31 @@ class StatePlan:
     # Every logical dim the model's tensors have, its parameters' and the activations' it
     # constrains (filled by meshpar.parts.plan_model): what layout rules can apply to.
     dims: frozenset[str] = frozenset()
+    # The pipeline the layout runs (a stage axis), or None; its layer order is the one `init`
+    # stores (meshpar.pipeline.Reorder: checkpoints hold the canonical one).
+    schedule: pipeline.Schedule | None = None
+
+    @property
+    def reorder(self) -> pipeline.Reorder:
+        return pipeline.Reorder(self.schedule)
+
+    def stored(self, state: TrainState) -> TrainState:
+        """A state in the canonical layer order (restored from a checkpoint), in the order this
+        plan stores; donated. The identity without a circular schedule."""
+        return state if self.reorder.identity else self._to_stored(state)
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """This plan's state in the canonical layer order, for a checkpoint (a new state; the
+        identity without a circular schedule)."""
+        return state if self.reorder.identity else self._to_canonical(state)
+
+    @functools.cached_property
+    def _to_stored(self) -> Callable[[TrainState], TrainState]:
+        return jax.jit(self.reorder.to_stored, out_shardings=self.shardings, donate_argnums=0)
+
+    @functools.cached_property
+    def _to_canonical(self) -> Callable[[TrainState], TrainState]:  # compiled once, used at every save
+        return jax.jit(self.reorder.to_canonical, out_shardings=self.shardings)
 
     def materialize(self, layout: layout_lib.Layout, mesh: Mesh) -> TrainState:
         """Run the initialisers under jit, each shard computed on the device that owns it."""
@@ -118,10 +145,15 @@ def plan_state(
     seed: int,
     layout: layout_lib.Layout,
     mesh: Mesh,
+    schedule: pipeline.Schedule | None = None,
 ) -> StatePlan:
+    """The state's plan; `schedule`: the layout's pipeline, whose layer order `init` stores
+    (the canonical init, reordered: the same weights as without a pipeline)."""
+
     def init() -> TrainState:
         params_rng, state_rng = jax.random.split(jax.random.key(seed))
         _, params = nnx.split(build(nnx.Rngs(params=params_rng)))
+        params = pipeline.Reorder(schedule).to_stored(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -131,7 +163,7 @@ def plan_state(
 
     graphdef, _ = abstract_model(build)
     abstract = jax.eval_shape(init)
-    return StatePlan(graphdef, abstract, tree_shardings(abstract, layout, mesh), init)
+    return StatePlan(graphdef, abstract, tree_shardings(abstract, layout, mesh), init, schedule=schedule)
 
 
 def check_activations(
@@ -144,7 +176,7 @@ def check_activations(
     def loss(params, batch):
         return nnx.merge(plan.graphdef, params).loss(batch, rngs=None)
 
-    with layout_lib.activate(layout, mesh), layout_lib.recording() as seen:
+    with layout_lib.activate(layout, mesh), layout_lib.recording() as seen, pipeline.running(plan.schedule):
         jax.eval_shape(loss, plan.abstract.params, dict(batch))
     return frozenset(seen)
 
@@ -172,6 +204,7 @@ def make_train_step(
     activations: str = "none",
     activations_memory: str = offload_lib.HOST,
     activation_names: Sequence[str] | None = None,
+    schedule: pipeline.Schedule | None = None,
 ) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
     """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
     is donated. `stop` holds one int32 per device (see :mod:`meshpar.stop`); ``metrics["stop"]``
@@ -184,7 +217,8 @@ def make_train_step(
     keeps its named values of every layer in `activations_memory` in place of ``model.remat``
     (``device``: the same names saved on the devices, the reference offload is compared with);
     `activation_names`: those names (:func:`meshpar.offload.activation_names`; default the
-    built-in families')."""
+    built-in families'). `schedule`: the layout's pipeline (:mod:`meshpar.pipeline`); its
+    microbatches are the pipeline's, and the gradients of the whole batch come from one pass."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
     keep = offload_lib.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
 
@@ -198,8 +232,12 @@ def make_train_step(
 
             return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-        with layout_lib.activate(layout, mesh, params_on_host), remat_lib.keeping(keep, activations_memory):
-            if microbatches == 1:
+        with (
+            layout_lib.activate(layout, mesh, params_on_host),
+            remat_lib.keeping(keep, activations_memory),
+            pipeline.running(schedule),
+        ):
+            if microbatches == 1 or schedule is not None:
                 (loss, aux), grads = grad_fn(state.params, batch, step_rng)
             else:
                 param_shardings = state_shardings.params
@@ -226,24 +264,13 @@ def make_train_step(
     )
 
 
-def split_microbatches(x: jax.Array, k: int) -> jax.Array:
-    """``[batch, ...]`` → ``[k, batch / k, ...]``, microbatch i holding rows i, i + k, i + 2k, ….
-
-    Every device's contiguous block of rows splits into k strided microbatches of its own, so
-    each microbatch takes rows from every device and no row moves between devices (the batch
-    dim's blocks stay where they are: ``[batch / k, k]`` has the same blocks on its first dim).
-    """
-    x = x.reshape(x.shape[0] // k, k, *x.shape[1:])  # [batch / k, k, ...]
-    return layout_lib.constrain(jnp.moveaxis(x, 1, 0), (None, "batch") + (None,) * (x.ndim - 2))
-
-
 def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State):
     """``grad_fn(params, batch, key) -> ((loss, aux), grads)`` over k microbatches of `batch`, in
     a ``lax.scan``: gradients summed in float32 (kept in the parameters' shardings), then the
     means of gradients, losses and metrics — the full batch's, as the microbatches are equal.
     Parameters in host memory (offload) give host gradients: each is brought to the devices
     before it is added, and the sum stays there."""
-    micro = {name: split_microbatches(x, k) for name, x in batch.items()}
+    micro = {name: pipeline.split_microbatches(x, k) for name, x in batch.items()}
     own_shardings, param_shardings = param_shardings, offload_lib.on_device(param_shardings)
     zeros = jax.tree.map(
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, param_shardings
@@ -270,13 +297,15 @@ def make_eval_step(
     mesh: Mesh,
     param_shardings: nnx.State,
     batch_shardings: Mapping[str, NamedSharding],
+    schedule: pipeline.Schedule | None = None,
 ) -> Callable[[nnx.State, dict], dict]:
-    """``eval_step(params, batch) -> metrics`` (loss and the model's own metrics), no dropout."""
+    """``eval_step(params, batch) -> metrics`` (loss and the model's own metrics), no dropout;
+    through the pipeline `schedule` when there is one."""
 
     params_on_host = offload_lib.any_on_host(param_shardings)
 
     def step(params: nnx.State, batch: dict) -> dict:
-        with layout_lib.activate(layout, mesh, params_on_host):  # offloaded weights fetched where used
+        with layout_lib.activate(layout, mesh, params_on_host), pipeline.running(schedule):  # offloaded weights fetched where used
             loss, aux = nnx.merge(graphdef, params).loss(batch, rngs=None)
         return {"loss": loss, **aux}
 

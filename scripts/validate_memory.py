@@ -4,7 +4,7 @@
                                       [--target 0.10] [--json out.json] [experiments/x.yaml ...]
 
 Two sets of configs. **shipped**: every ``experiments/*.yaml`` and the variants in VARIANTS
-(remat, microbatches, a rolled layer loop). **generated** (:func:`generated`): the NAMED
+(remat, microbatches, a rolled layer loop, pipelines over a stage axis). **generated** (:func:`generated`): the NAMED
 configs (each a different way of going wrong, vocabularies far wider than the model among them),
 then about three dozen drawn with a fixed seed from the shipped ones, varying the family (Transformer, MLP),
 the layout (data parallel, a model split, 2-D, a sequence split, FSDP's ``param_layout``), the
@@ -70,6 +70,14 @@ VARIANTS = [
     ("experiments/mlp_data_parallel.yaml", ["model.remat=full"]),
     ("experiments/mlp_model_parallel.yaml", ["train.microbatches=4"]),
     ("experiments/quickstart.yaml", ["model.scan_unroll=1"]),
+    # a stage axis (meshpar.plan.stages): other layer counts, stages, microbatches, repeats, widths
+    ("experiments/transformer_pipeline.yaml", ["train.microbatches=4"]),
+    ("experiments/transformer_pipeline.yaml", ["model.n_layers=8"]),
+    ("experiments/transformer_pipeline.yaml", ["model.d_model=256", "model.d_ff=1024"]),
+    ("experiments/transformer_pipeline.yaml", ["mesh=data:1,stage:4,model:2", "model.n_layers=8"]),
+    ("experiments/transformer_pipeline.yaml", ["model.remat=full"]),
+    ("experiments/transformer_pipeline.yaml", ["pipeline.schedule=circular", "pipeline.repeats=2", "model.n_layers=8"]),
+    ("experiments/transformer_pipeline.yaml", ["mesh=data:2,stage:4,model:1", "train.microbatches=4"]),
 ]
 TARGET = 0.10  # |analytic − XLA| / XLA on the step total
 GPU_TARGETS = ("h100-sxm-8", "h200-sxm-8")  # --gpu: XLA:GPU columns for these machines

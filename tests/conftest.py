@@ -95,6 +95,10 @@ SMOKE = (
     "tests/test_tokens.py",
     "tests/test_inputs.py::test_training_is_the_same_for_0_and_2_workers_and_resumes_across_them",
     "tests/test_inputs.py::test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoint",
+    "tests/test_pipeline.py::test_the_pipelined_stack_gives_the_sequential_loss_and_gradients[transformer-circular-2-2-None]",
+    "tests/test_pipeline.py::test_the_pipelined_stack_gives_the_sequential_loss_and_gradients[llama-circular-2-4-embed:data]",
+    "tests/test_pipeline.py::test_the_compiled_step_passes_activations_over_the_stage_axis_and_gathers_no_layer_weights",
+    "tests/test_pipeline.py::test_two_processes_with_the_stage_axis_across_them_train_and_resume",
 )
 
 

@@ -63,6 +63,7 @@ def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
         params, report = source.load(step.plan.abstract.params, step.plan.shardings.params)
         state = init_from.fresh_state(params, step.plan, step.tx, cfg.train.seed)
         ckpt = Checkpointer(tmp / "checkpoints", every=0, keep=0)
+        ckpt.to_saved = step.plan.canonical
         try:
             ckpt.maybe_save(state, resume_lib.position(0), record, force=True)
         finally:

@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from meshpar import layout as layout_lib
+from meshpar import pipeline
 from meshpar.layout import constrain
 from meshpar.models import remat as remat_lib
 
@@ -106,10 +107,21 @@ Block = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Arra
 def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
     """``block(p, x, key)`` over the `cfg.n_layers` layers of `stacked` (each ``[layers, ...]``),
     under ``cfg.remat``'s ``jax.checkpoint`` policy: the scan body and the unrolled loop run the
-    same function, so parameters, checkpoints and results do not depend on the form."""
-    keys = None if key is None else jax.random.split(key, cfg.n_layers)  # [layers] keys
-    unroll = scan_unroll(cfg)
-    looped = cfg.scan_layers and unroll < cfg.n_layers  # a full unroll leaves no loop
+    same function, so parameters, checkpoints and results do not depend on the form. Under a
+    stage axis (``layers:<axis>`` in the layout) the stack runs as a pipeline of stages
+    (:mod:`meshpar.pipeline`), each stage's layers this same way."""
+    sched = pipeline.active()
+    if sched is not None:
+        return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k), stacked, x, key)
+    return _in_order(cfg, block, stacked, x, key)
+
+
+def _in_order(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """The layers of `stacked` (all of them, or a pipeline stage's group) one after the other."""
+    n = next(iter(stacked.values())).shape[0]
+    keys = None if key is None else jax.random.split(key, n)  # [layers] keys
+    unroll = min(scan_unroll(cfg), n)
+    looped = cfg.scan_layers and unroll < n  # a full unroll leaves no loop
     layer = remat_lib.checkpointed(block, cfg.remat, in_scan=looped)
     if cfg.scan_layers:
 
@@ -119,7 +131,7 @@ def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, k
 
         x, _ = jax.lax.scan(body, x, (stacked, keys), unroll=unroll)
         return x
-    for i in range(cfg.n_layers):
+    for i in range(n):
         p = {name: w[i] for name, w in stacked.items()}
         x = layer(p, x, None if keys is None else keys[i])
     return x

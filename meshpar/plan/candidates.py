@@ -17,10 +17,16 @@ analytic memory model (:mod:`meshpar.plan.memory`, the same check the config fai
 * more model-axis splitting — the same devices, with a factor of 2, 4 or 8 moved from the
   (last) batch axis of the mesh to its ``model`` axis (added when the mesh has none), and
   layout rules for the model's split dims: the config's own when they name the model axis, else
-  the family's (:attr:`meshpar.models.Family.split_dims`).
+  the family's (:attr:`meshpar.models.Family.split_dims`);
+* a stage split — only when nothing above fits: a factor of 2, 4 or 8 that divides the model's
+  layers moved from the (last) batch axis to a new ``stage`` axis, first in the mesh, with
+  ``layers:stage`` (a pipeline, :mod:`meshpar.pipeline`; the config's ``train.microbatches``
+  and ``pipeline`` settings are its schedule's): each stage holds the parameters, gradients and
+  optimizer state of 1/S of the layer stack (:mod:`meshpar.plan.stages` for its activations).
 
-Every combination of these is a candidate. They are tried in a fixed order: fewer changes
-first; among as many changes, the least disruptive, in the order microbatches (no extra
+Every combination of these is a candidate (a stage split with microbatches, remat, offload;
+not with the other mesh changes). They are tried in a fixed order: the stage splits after every
+other candidate; then fewer changes first; among as many changes, the least disruptive, in the order microbatches (no extra
 FLOPs, no communication), remat (a third more FLOPs), optimizer offload, ``param_layout``
 (weights gathered every step), model-axis splitting (activations communicated every layer),
 smaller factors first. Optimizer offload comes after remat and before ``param_layout``: like
@@ -61,6 +67,7 @@ from meshpar.plan import cost, memory
 # A change that does not apply: the errors building its config and its plan may raise.
 ILLEGAL = (ConfigError, layout_lib.LayoutError, mesh_lib.MeshError, DataError)
 MODEL_AXIS = "model"
+STAGE_AXIS = "stage"  # the mesh axis a proposed pipeline splits the layer stack over (layers:stage)
 FACTORS = (2, 4, 8)  # microbatches and model-axis splitting: times the configured amount
 # Stacked layers are scanned over: splitting the stack would move whole layers between devices.
 NEVER_SPLIT = frozenset({"layers"})
@@ -129,6 +136,23 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
         new[donor] //= factor
         new[MODEL_AXIS] = new.get(MODEL_AXIS, 1) * factor
         out.append((factor, new, layout_lib.format_rules(tuple(rules))))
+    return out
+
+
+def _stage_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[str, int], str]]:
+    """(factor, mesh shape, layout rules) for each stage split of `shape` (see the module docstring)."""
+    donors = [a for a in cost.batch_axes(cfg.layout) if a in shape and a != STAGE_AXIS]
+    layers = getattr(cfg.model, "n_layers", None)  # a layer stack, as the pipeline reads it
+    if not donors or not layers or STAGE_AXIS in shape:
+        return []
+    out = []
+    for factor in FACTORS:
+        donor = next((a for a in reversed(donors) if shape[a] % factor == 0), None)
+        if donor is None or layers % factor:
+            continue
+        new = {STAGE_AXIS: factor, **shape}
+        new[donor] //= factor
+        out.append((factor, new, layout_lib.format_rules((*cfg.layout, ("layers", STAGE_AXIS)))))
     return out
 
 
@@ -255,12 +279,15 @@ def candidates(
     micro = [None, *(k0 * f for f in FACTORS)]
     remat = [None, *(["full"] if getattr(cfg.model, "remat", "full") != "full" else [])]
     offload = [False, *([True] if not getattr(getattr(cfg, "offload", None), "optimizer", True) else [])]
-    meshes = [(1, shape, None), *_model_meshes(cfg, shape)]
+    meshes = [(1, shape, None, False), *((*m, False) for m in _model_meshes(cfg, shape))]
+    meshes += [(*m, True) for m in _stage_meshes(cfg, shape)]
     raw = config_lib.to_dict(cfg)
     out = []
-    for (factor, mesh_shape, rules), fsdp, off, r, k in itertools.product(meshes, (False, True), offload, remat, micro):
+    for (factor, mesh_shape, rules, staged), fsdp, off, r, k in itertools.product(
+        meshes, (False, True), offload, remat, micro
+    ):
         n = (factor > 1) + fsdp + off + (r is not None) + (k is not None)
-        if not n:
+        if not n or (staged and fsdp):
             continue
         changes = []
         if factor > 1:
@@ -286,7 +313,7 @@ def candidates(
         except ConfigError as e:  # e.g. microbatches that do not divide each device's rows
             skip((" ".join(f"{a}={b}" for a, b in changes), str(e)))
             continue
-        rank = (n, factor, fsdp, off, r is not None, k or 0)
+        rank = (staged, n, factor, fsdp, off, r is not None, k or 0)
         out.append((rank, Candidate(tuple(changes), new)))
     return [c for _, c in sorted(out, key=lambda x: x[0])]
 

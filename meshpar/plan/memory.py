@@ -159,6 +159,11 @@ feeding), in bytes:
 ``Breakdown.total`` is the sum of the categories: params + optimizer + the inputs (exact) plus
 the step's working set (grads + activations + workspace, the estimate).
 
+**A stage axis** (``layers:<axis>``, :mod:`meshpar.pipeline`): the activations, gradients and
+workspace are the pipeline's (:mod:`meshpar.plan.stages`: a stage's residuals over the ticks,
+no running sum, the pipeline's buffers); params and optimizer state as above (the stack's are
+split over the stages by the layout).
+
 **Host offload** (the ``offload`` section; what lives where: :func:`meshpar.plan.offload_plan.placement`)
 moves bytes from these device categories to ``Breakdown.host``, per device, in pinned host memory:
 
@@ -254,11 +259,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import aot, models, offload, parts, trainer
+from meshpar import aot, models, offload, parts, throughput, trainer
 from meshpar import layout as layout_lib
 from meshpar.config import Config
 from meshpar.plan import backward as backward_phase
-from meshpar.plan import cost, gathers, gemm, gradients, offload_plan, programs, residuals, shapes
+from meshpar.plan import cost, gathers, gemm, gradients, offload_plan, programs, residuals, shapes, stages
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
@@ -283,7 +288,8 @@ class Breakdown:
         return sum(self.host.values())
 
 
-def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False):
+def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False,
+                rolled: bool = False):
     """The model's loss as a function of the parameters and the batch, and the parameters at one
     device's shapes (see :func:`saved_activations` for `remat` and `unrolled`)."""
     state, batch, _ = step.args
@@ -293,6 +299,8 @@ def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None,
     model = cfg.model
     if unrolled and hasattr(model, "scan_unroll") and hasattr(model, "n_layers"):
         model = dataclasses.replace(model, scan_unroll=model.n_layers)
+    if rolled and hasattr(model, "scan_unroll"):
+        model = dataclasses.replace(model, scan_unroll=1)
     if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads) or model is not cfg.model:
         spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
         model = dataclasses.replace(model, remat=remat) if remat is not None else model
@@ -310,7 +318,7 @@ def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None,
 def saved_activations(
     cfg: Config, step: parts.AbstractStep, remat: str | None = None, read: set[int] | None = None,
     uses: dict | None = None, slices: list | None = None, casts: list | None = None, unrolled: bool = False,
-    matmuls_at: dict | None = None, dtypes: dict | None = None,
+    matmuls_at: dict | None = None, dtypes: dict | None = None, rolled: bool = False,
 ) -> list[residuals.Residual]:
     """What one device keeps for the backward pass of one microbatch
     (:func:`meshpar.plan.residuals.kept_residuals` of the model's loss at per-device shapes, no
@@ -323,13 +331,15 @@ def saved_activations(
     that are not residuals. `unrolled`: trace the layer loop as straight-line code (every layer
     in one iteration), as the backward recomputes one layer under remat, within fusion's reach.
     `matmuls_at`: the matmuls each place in the forward's program order runs; `dtypes`, the dtype
-    the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.residuals.kept_residuals`)."""
-    loss, params = _local_loss(cfg, step, remat, unrolled)
+    the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.residuals.kept_residuals`).
+    `rolled`: trace the layer loop as a loop (every residual its body hands out kept, one layer's
+    loop too), as a pipeline stage's layers run inside the tick loop (:mod:`meshpar.plan.stages`)."""
+    loss, params = _local_loss(cfg, step, remat, unrolled, rolled)
     local = shapes.device_batch(cfg, step)
     with shapes.on_target(step):  # the layer loop's form and the attention kernel the target's
         cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
         kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
-                                        dtypes=dtypes, cheap=cheap)  # fmt: skip
+                                        dtypes=dtypes, cheap=cheap, looped=rolled)  # fmt: skip
         if slices is not None and any(r.rolled for r in kept):
             slices.append(residuals.backward_slices(loss, params, local))
     return kept
@@ -360,13 +370,42 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     return None
 
 
+def _categories(cfg: Config, step: parts.AbstractStep, **working) -> dict[str, int]:
+    """The categories in order: `working` (params, grads, optimizer, activations, workspace) and the batches."""
+    one_batch = aot.shard_bytes(step.args[1])
+    out = {**working, "inputs": one_batch, "queued_inputs": one_batch * cost.resident_batches(cfg)}
+    if cfg.feed.mode == "routed":
+        out["relay_inputs"] = programs.relay_bytes(cfg, step.args[1])
+    return out
+
+
+def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimizer: int, host: dict,
+               exact: frozenset) -> Breakdown:  # fmt: skip
+    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
+    docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
+    them (the stack's divided over the stages), one gradient per parameter and no running sum
+    (the microbatches are the pipeline's), a stage's residuals over the ticks, and the
+    pipeline's buffers as workspace."""
+    kept = saved_activations(cfg, step, rolled=True)
+    recomputed = 0
+    if getattr(cfg.model, "remat", "none") != "none":  # the backward tick recomputes its group
+        full = [r for r in saved_activations(cfg, step, "none", rolled=True) if r.loop]
+        recomputed = sum(r.nbytes for r in full)  # one layer of one microbatch
+    categories = _categories(
+        cfg, step, params=params, grads=params, optimizer=optimizer,
+        activations=stages.activations(kept, sched, stages.stack_weights(step.plan, jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize)),
+        workspace=stages.buffers(kept, sched, recomputed),
+    )  # fmt: skip
+    return Breakdown(categories, exact, host)
+
+
 def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
     """The config's per-device memory by category (nothing allocated; the step is not compiled —
     for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
     :func:`meshpar.plan.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
     (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
     step = step or parts.abstract_step(cfg)
-    plan, (_, batch, _) = step.plan, step.args
+    plan = step.plan
     platform = shapes.platform(step)
     params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
     running_sum = 0
@@ -388,6 +427,8 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
         grads, params = running_sum + w.layer, w.layer + w.other
         fetched += 2 * offload_plan.largest_param(plan)  # a parameter and its gradient
         exact = exact - {"params"}
+    if plan.schedule is not None:  # a stage axis: the pipeline's own accounting (meshpar.plan.stages)
+        return _pipelined(cfg, step, plan.schedule, params, optimizer, host, exact)
     remat = getattr(cfg.model, "remat", "none")
     if place.activations != "none":  # the named residuals on the host, the rest recomputed
         prof, remat = offload_plan.profile(cfg, step), "full"
@@ -484,12 +525,8 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
             update += gathered.copies
         nparams = len(jax.tree.leaves(plan.abstract.params))  # the body's own microbatch of what the backward reads
         backward += sum(residuals.nbytes(b) for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step))) if nparams + j in read)
-    one_batch = aot.shard_bytes(batch)
-    categories = {
-        "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-        "workspace": max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
-        "inputs": one_batch, "queued_inputs": one_batch * cost.resident_batches(cfg),
-    }  # fmt: skip
-    if cfg.feed.mode == "routed":
-        categories["relay_inputs"] = programs.relay_bytes(cfg, batch)
+    categories = _categories(
+        cfg, step, params=params, grads=grads, optimizer=optimizer, activations=activations,
+        workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
+    )  # fmt: skip
     return Breakdown(categories, exact, host)

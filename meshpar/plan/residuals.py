@@ -155,8 +155,9 @@ class _Level:
     and which of them XLA keeps (see the module docstring for the rule)."""
 
     def __init__(self, jaxpr, copies: int, on_input, out: list[Residual], in_loop: bool = False, at: int | None = None,
-                 cheap: frozenset = frozenset()):  # fmt: skip
+                 cheap: frozenset = frozenset(), looped: bool = False):  # fmt: skip
         self.graph, self.copies, self.on_input, self.out = _Graph(jaxpr), copies, on_input, out
+        self.looped = looped  # every scan runs as a loop, even of one iteration (a pipeline's tick loop holds it)
         self.extra_cheap = cheap  # primitives also fused and recomputed where float32 or float16
         self.in_loop = in_loop  # a loop's body
         self.at = at  # a loop's body: the loop's place in the step's program order
@@ -181,7 +182,7 @@ class _Level:
             body, _, carry = jaxprs.scan_parts(eqn)
             if i >= carry:  # a per-iteration value, stacked over the loop
                 loop = self._loop(eqn, args, pos)
-                if jaxprs.is_rolled(eqn):  # a loop output: XLA writes every one into its stack
+                if jaxprs.is_rolled(eqn) or self.looped:  # a loop output: XLA writes every one into its stack
                     w = body.outvars[i]
                     value = loop.graph.canonical((0, w))
                     if value in loop.stacked:  # the same value handed out again: one stack
@@ -219,12 +220,12 @@ class _Level:
                         tag = self.loops[id(eqn)].graph.tags.get((0, body.invars[k]))
                         label = f"'{tag}'" if tag else "loop carry"
                         self.out.append(Residual(nbytes(body.invars[k].aval), self.copies * length, label, loop=True,
-                                                 rolled=jaxprs.is_rolled(eqn), at=self._place(pos)))
+                                                 rolled=jaxprs.is_rolled(eqn) or self.looped, at=self._place(pos)))
                 elif args[k] is not None:  # a constant or a stacked input: the caller's value
                     self.add(args[k])
 
             self.loops[id(eqn)] = _Level(body, self.copies * length, on_input, self.out, in_loop=True,
-                                         at=self._place(pos), cheap=self.extra_cheap)  # fmt: skip
+                                         at=self._place(pos), cheap=self.extra_cheap, looped=self.looped)  # fmt: skip
             self.loops[id(eqn)].parent = (self, args, consts, carry, length)
         return self.loops[id(eqn)]
 
@@ -325,7 +326,7 @@ def _cast_dtypes(level: _Level) -> dict:
 
 def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = None, casts: list | None = None,
                    matmuls_at: dict | None = None, dtypes: dict | None = None,
-                   cheap: frozenset = frozenset()) -> list[Residual]:  # fmt: skip
+                   cheap: frozenset = frozenset(), looped: bool = False) -> list[Residual]:  # fmt: skip
     """The residuals of ``jax.vjp(fn, *args)`` that XLA keeps for the backward pass (see the
     module docstring); `args` are abstract. Residuals that are the arguments themselves are left
     out; `read` (when given) receives their indices among the flattened `args`. `uses` (when
@@ -341,7 +342,9 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     program order that runs matmuls, ``(a loop, their equations)``: a matmul's own, or every
     matmul in a loop's body (a loop is one place). `dtypes` (when given) receives the dtype each
     argument is cast to where the forward casts it (:func:`_cast_dtypes`). `cheap`: primitives
-    also fused into their consumers where float32 or float16 (the target's: :data:`GPU_CHEAP`)."""
+    also fused into their consumers where float32 or float16 (the target's: :data:`GPU_CHEAP`).
+    `looped`: every scan counts as one that runs as a loop, a scan of one iteration too (a
+    pipeline stage's layers inside the tick loop, :mod:`meshpar.plan.stages`)."""
     leaves, tree = jax.tree.flatten(args)
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(lambda *ys: fn(*jax.tree.unflatten(tree, ys)), *xs), return_shape=True
@@ -350,7 +353,7 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     n = len(jax.tree.leaves(shapes[1]))  # the vjp function's leaves: the residuals, last
     out: list[Residual] = []
     # an argument is counted in its own category
-    top = _Level(jaxpr, 1, read.add if read is not None else (lambda k: None), out, cheap=cheap)
+    top = _Level(jaxpr, 1, read.add if read is not None else (lambda k: None), out, cheap=cheap, looped=looped)
     for v in jaxpr.outvars[len(jaxpr.outvars) - n :]:
         if not jaxprs.is_literal(v):
             top.add((0, v))

@@ -8,8 +8,15 @@ as ``batch:(a,b)``, first axis major), the model's split dims (the dims the conf
 maps onto ``model``, else the family's: :attr:`meshpar.models.Family.split_dims`) onto the
 ``model`` axis or not, and ``param_layout`` FSDP over the batch axes (the family's FSDP dims,
 taken as the pre-flight takes them: :func:`meshpar.plan.candidates.fsdp_param_layout`) or
-none. Every other dim is replicated; the config's other sections (remat, microbatches, feed,
-...) are kept.
+none; and, for a model with a layer stack (``model.n_layers``), a stage
+axis ``stage`` of every size that divides both the layers and the devices, first in the mesh
+(its neighbours the furthest apart: a pipeline moves the fewest bytes of any split, one
+microbatch's activations per tick, so it takes the slowest link), carrying ``layers:stage`` and
+nothing else (:mod:`meshpar.pipeline`). Every other dim is replicated; the config's other
+sections (remat, microbatches, feed, the pipeline's schedule where there is a stage axis, ...)
+are kept: ``train.microbatches`` are a stage axis's pipeline microbatches, and where they
+cannot run (fewer than the stages under the circular schedule, or a batch that does not split
+into them) the choice is illegal.
 
 **Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
 onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
@@ -48,6 +55,11 @@ fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either).
   and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
   the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
   compute dtype;
+* pipeline (a stage axis; :mod:`meshpar.plan.stages`) — the compute of the layer stack
+  (its share of the family's FLOPs, :attr:`meshpar.models.Family.layer_flops`) over S stages
+  and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
+  axis's activation all-reduces scaled alike); and 2·T ``collective-permute`` ops of one
+  microbatch's stack output plus one all-reduce of the batch's over the stage axis's link;
 * feed — the batch's placement time (:mod:`meshpar.plan.feed_time`), only the part longer
   than compute when ``feed.prefetch`` ≥ 1.
 
@@ -81,10 +93,11 @@ from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
 from meshpar import models
-from meshpar.plan import candidates, cost, gpu_target, memory, timing
+from meshpar.plan import candidates, cost, gpu_target, memory, stages, timing
 from meshpar.plan.report import fmt_bytes
 
 MODEL_AXIS = candidates.MODEL_AXIS
+STAGE_AXIS = candidates.STAGE_AXIS
 TOP_K = 5
 TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
 
@@ -98,6 +111,7 @@ class Option:
     model: bool  # the model dims on the model axis
     fsdp: bool  # parameters and optimizer state also split over the batch axes
     added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
+    stage: bool = False  # the layer stack over the stage axis (a pipeline); the stage axis carries nothing else
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -105,7 +119,7 @@ class Option:
 
     @property
     def mesh_str(self) -> str:
-        return ",".join(f"{a}:{n}" for a, n in self.mesh if not (a == self.added and n == 1))
+        return ",".join(f"{a}:{n}" for a, n in self.mesh if not (a in (self.added, STAGE_AXIS) and n == 1))
 
     def key(self) -> tuple:
         """What it places where, up to axis names: the axes of more than one device in mesh
@@ -118,14 +132,15 @@ class Option:
         for a, n in self.mesh:
             if n == 1:
                 continue
-            role = [n, batch.index(a) if a in batch else -1, self.model and a == MODEL_AXIS]
+            role = [n, batch.index(a) if a in batch else -1, self.model and a == MODEL_AXIS, self.stage and a == STAGE_AXIS]
             last = merged[-1] if merged else None
-            if last and not last[2] and not role[2] and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
+            busy = last and (last[2] or last[3] or role[2] or role[3])
+            if last and not busy and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
                 last[0], last[1] = last[0] * n, role[1]
             else:
                 merged.append(role)
-        order = sorted(b for _, b, _ in merged if b >= 0)
-        roles = tuple((n, order.index(b) if b >= 0 else -1, m) for n, b, m in merged)
+        order = sorted(b for _, b, _, _ in merged if b >= 0)
+        roles = tuple((n, order.index(b) if b >= 0 else -1, m, st) for n, b, m, st in merged)
         return roles, self.fsdp and len(batch) > 0
 
     def oddness(self) -> tuple[int, int]:
@@ -143,20 +158,28 @@ def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
 
 
+def n_layers(cfg: Config) -> int | None:
+    """The layers of the model's layer stack (``model.n_layers``, as the pipeline reads it:
+    :func:`meshpar.config.check_pipeline`), or None without one."""
+    return getattr(cfg.model, "n_layers", None)
+
+
 def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
-    """Every (mesh, batch axes, model split, FSDP) choice over `num_devices`, duplicates included."""
-    names = [a for a, _ in cfg.mesh]
+    """Every (stage axis, mesh, batch axes, model split, FSDP) choice over `num_devices`,
+    duplicates included (a stage axis: see the module docstring)."""
+    names = [a for a, _ in cfg.mesh if a != STAGE_AXIS]
     added = None
-    if len(names) == 1 and names[0] != MODEL_AXIS:
+    if len(names) <= 1 and MODEL_AXIS not in names:
         added = MODEL_AXIS
         names.append(MODEL_AXIS)
     out = []
-    for shape in factorisations(num_devices, len(names)):
-        mesh = tuple(zip(names, shape))
-        subsets = [s for r in range(len(names) + 1) for s in itertools.combinations(names, r)]
-        models = (False, True) if MODEL_AXIS in names else (False,)
-        for batch, model, fsdp in itertools.product(subsets, models, (False, True)):
-            out.append(Option(mesh, batch, model, fsdp, added))
+    for s in (1, *stages.stage_sizes(n_layers(cfg), num_devices)):
+        for shape in factorisations(num_devices // s, len(names)):
+            mesh = ((STAGE_AXIS, s), *zip(names, shape)) if s > 1 else tuple(zip(names, shape))
+            subsets = [b for r in range(len(names) + 1) for b in itertools.combinations(names, r)]
+            models = (False, True) if MODEL_AXIS in names else (False,)
+            for batch, model, fsdp in itertools.product(subsets, models, (False, True)):
+                out.append(Option(mesh, batch, model, fsdp, added, s > 1))
     return out
 
 
@@ -172,16 +195,20 @@ def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, elem
     batch = option.batch[0] if len(option.batch) == 1 else option.batch
     layout = (("batch", batch),) if option.batch else ()
     layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
+    layout += (("layers", STAGE_AXIS),) if option.stage else ()
     param_layout = ""
     if option.fsdp:  # replaces the config's own param_layout
         param_layout = candidates.fsdp_param_layout(cfg, element_spec, params, option.batch, option.sizes, layout, ())
     return layout_lib.format_rules(layout), param_layout
 
 
-def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str) -> Config:
-    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is)."""
+def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str, stage: bool = False) -> Config:
+    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is); without
+    a stage axis (`stage`), without the pipeline's settings either."""
     raw = config_lib.to_dict(cfg)
     raw.update(mesh=mesh, layout=layout, param_layout=param_layout)
+    if not stage and "pipeline" in raw:
+        raw["pipeline"] = {**raw["pipeline"], "schedule": "gpipe", "repeats": 1}
     return config_lib.from_dict(raw)
 
 
@@ -200,10 +227,11 @@ class Estimate:
     activation_s: float
     feed_s: float
     exposed_feed_s: float
+    pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.stages)
 
     @property
     def collective_s(self) -> float:
-        return self.gradient_s + self.activation_s
+        return self.gradient_s + self.activation_s + self.pipeline_s
 
     @property
     def total_s(self) -> float:
@@ -247,7 +275,9 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
     dtype = throughput.compute_dtype(cfg.model)
     # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
     per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
-    flops = per_example * cfg.train.batch_size / (batch_ways * model_ways)
+    sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
+    scale = stages.compute_scale(sched, stages.layer_share(family, cfg.model, spec))
+    flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
     flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
@@ -262,10 +292,16 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
     if model_ways > 1 and family.activation_all_reduces is not None:
         count, elements = family.activation_all_reduces(cfg.model, spec, cfg.train.batch_size // batch_ways, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
-        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count)
+        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count) * scale
+    pipeline_s = 0.0
+    if sched is not None:
+        width = getattr(cfg.model, "d_model", 0)  # the stack's [batch, length, embed] activations
+        rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
+        traffic = stages.traffic(sched, rows, length, width, itemsize)
+        pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
     feed_s = cost.feed_seconds(cfg, topo)
     exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
-    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed)
+    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +385,7 @@ def _same_rules(a, b) -> bool:
 
 
 def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) -> bool:
-    mesh = {a: n for a, n in option.mesh if not (a == option.added and n == 1)}
+    mesh = {a: n for a, n in option.mesh if not (a in (option.added, STAGE_AXIS) and n == 1)}
     return mesh == own_mesh and _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
 
 
@@ -380,11 +416,12 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     own_choice = (
         own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
         any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
+        dict(cfg.layout).get("layers") == STAGE_AXIS,
     )  # fmt: skip
 
     def preference(option: Option) -> tuple:  # the config's own first, then the plainest
-        mesh = {a: n for a, n in option.mesh if a != option.added or n > 1}
-        return ((mesh, option.batch, option.model, option.fsdp) != own_choice, *option.oddness())
+        mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
+        return ((mesh, option.batch, option.model, option.fsdp, option.stage) != own_choice, *option.oddness())
 
     kept: dict[tuple, Option] = {}
     for option in options:  # one of each group of duplicates
@@ -400,7 +437,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
         try:
             layout, param_layout = rules(option, dims, params, cfg, spec)
-            new = with_layout(cfg, option.mesh_str, layout, param_layout)
+            new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage)
             mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
             step = parts.abstract_step(new, mesh, spec)
             breakdown = memory.analytic(new, step)

@@ -1,0 +1,120 @@
+"""The planner with a stage axis (layers:stage): memory plan, time terms, search, pre-flight."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from meshpar import aot, config, parts, pipeline
+from meshpar.plan import candidates, cost, memory, search, stages, topology
+
+CONFIG = "experiments/transformer_pipeline.yaml"
+SMALL = ["train.progress=false", "model.d_model=64", "model.n_heads=2", "model.d_head=32", "model.d_ff=128",
+         "data.length=32", "model.max_length=32", "train.batch_size=16"]  # fmt: skip
+
+
+def _cfg(*overrides):
+    return config.load(CONFIG, [*SMALL, *overrides])
+
+
+def _estimate(cfg, topo, mesh, layout, stage):
+    """The search's analytic estimate of `cfg` with `mesh` and `layout`, as the search plans it."""
+    new = search.with_layout(cfg, mesh, layout, "", stage)
+    step = parts.abstract_step(new)
+    sizes = dict(step.mesh.shape)
+    batch = tuple(a for a in cost.batch_axes(new.layout))
+    option = search.Option(tuple(sizes.items()), batch, any(a == "model" for _, a in new.layout), False, None, stage)
+    return search.estimate(new, option, step, memory.analytic(new, step), topo, search.model_dims(new))
+
+
+def test_more_microbatches_lower_bubble_and_time():
+    topo = topology.load("h100-sxm-8")
+    times, bubbles = [], []
+    for m in (2, 8):
+        cfg = _cfg(f"train.microbatches={m}", "train.batch_size=64")
+        est = _estimate(cfg, topo, "stage:2,data:4", "batch:data; layers:stage", True)
+        times.append(est.compute_s)
+        bubbles.append(pipeline.Schedule("stage", 2, m).bubble)
+    assert bubbles[1] < bubbles[0]
+    assert times[1] < times[0]  # the layers' compute stretched by T/(R·M): 3/2 against 9/8
+    sched = pipeline.Schedule("stage", 2, 8)
+    assert stages.bubble_factor(sched) == pytest.approx(9 / 8)
+    assert stages.compute_factor(sched) == pytest.approx(9 / 16)
+    t = stages.traffic(sched, rows=8, length=32, embed=64, itemsize=4)
+    assert t.permutes == 18 and t.permute_bytes == 8 * 32 * 64 * 4 / 8 and t.reduce_bytes == 8 * 32 * 64 * 4
+
+
+def test_layer_params_per_device_fall_with_stages():
+    per_device = {}
+    for s in (1, 2, 4):
+        mesh = f"stage:{s},data:{8 // s}" if s > 1 else "data:8"
+        layout = "batch:data; layers:stage" if s > 1 else "batch:data"
+        cfg = search.with_layout(_cfg("model.n_layers=4", "train.microbatches=2"), mesh, layout, "", s > 1)
+        step = parts.abstract_step(cfg)
+        per_device[s] = memory.analytic(cfg, step).categories["params"]
+    assert per_device[1] > per_device[2] > per_device[4]
+    stack = (per_device[1] - per_device[2]) * 2  # the stack's bytes, half of which a stage drops
+    assert per_device[4] == pytest.approx(per_device[1] - stack * 3 / 4, rel=1e-6)
+
+
+def test_prediction_against_compiled_on_an_untuned_shape():
+    # circular, 2 repeats, 4 stages, 8 layers (one layer per group), M=4, width 96: not a shape the model was built on
+    cfg = _cfg("mesh=stage:4,data:2", "layout=batch:data; layers:stage", "model.n_layers=8", "model.d_model=96",
+               "model.d_head=48", "train.microbatches=4", "pipeline.schedule=circular", "pipeline.repeats=2")  # fmt: skip
+    step = parts.abstract_step(cfg)
+    plan = memory.analytic(cfg, step)
+    xla = aot.memory(step.lower().compile())
+    total = plan.total - plan.categories["queued_inputs"]
+    assert abs(total - xla["total_bytes"]) / xla["total_bytes"] < 0.10, (total, xla)
+    # the fake (the non-pipelined model's one microbatch of residuals) would be far off
+    assert plan.categories["activations"] > 3 * sum(r.total for r in memory.saved_activations(cfg, step))
+
+
+def _two_hosts(tmp_path) -> topology.Topology:
+    """h100-sxm-2x8 cut to 2 hosts of 4 (this test's 8 devices), inter-host link as shipped."""
+    raw = yaml.safe_load(pathlib.Path(topology.__file__).with_name("topologies").joinpath("h100-sxm-2x8.yaml").read_text())
+    raw.update(name="h100-2x4", num_devices=8, host_groups=[[i] for i in range(8)])
+    raw["node_link"] = {**raw["node_link"], "gbps": 12.5}  # a 100 Gb/s NIC per GPU
+    path = tmp_path / "h100-2x4.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return topology.load(str(path))
+
+
+def test_stage_axis_wins_over_slow_links_and_loses_on_one_node(tmp_path):
+    cfg = _cfg("model.d_model=512", "model.n_heads=8", "model.d_head=64", "model.d_ff=2048", "model.n_layers=8",
+               "train.microbatches=4", "train.batch_size=256")  # fmt: skip
+    choices = {
+        "stage": ("stage:2,data:4", "batch:data; layers:stage", True),
+        "data": ("data:8", "batch:data", False),
+        "data+model": ("data:2,model:4", "batch:data; d_ff:model; heads:model; vocab:model", False),
+    }
+    slow = {k: _estimate(cfg, _two_hosts(tmp_path), *v).total_s for k, v in choices.items()}
+    assert min(slow, key=slow.get) == "stage", slow  # the pipeline sends one microbatch per tick over the network
+    fast = {k: _estimate(cfg, topology.load("h100-sxm-8"), *v).total_s for k, v in choices.items()}
+    assert min(fast, key=fast.get) != "stage" and fast["stage"] > min(fast.values()) * 1.05, fast  # the bubble costs more
+
+
+def test_search_enumerates_stage_axes_only_where_layers_divide():
+    cfg = _cfg("model.n_layers=6")
+    options = search.enumerate_options(cfg, 8)
+    sizes = {dict(o.mesh).get("stage", 1) for o in options if o.stage}
+    assert sizes == {2}  # 6 layers: 2 divides both, 4 and 8 do not divide the layers
+    assert all(o.stage == (dict(o.mesh).get("stage", 1) > 1) for o in options)
+    mlp = config.load("experiments/mlp_data_parallel.yaml", ["train.progress=false"])
+    assert not any(o.stage for o in search.enumerate_options(mlp, 8))  # no layer stack, no stage axis
+
+
+def test_preflight_proposes_a_stage_split_when_nothing_else_fits():
+    # one head does not split over a model axis of 2, 4 or 8, a width of 196 not
+    # over the 8 devices FSDP would split it over, and the optimizer state is on the host already
+    cfg = _cfg("train.microbatches=1", "model.n_layers=8", "model.d_model=196", "model.d_ff=600", "model.n_heads=1",
+               "model.d_head=196", "train.batch_size=8", "offload.optimizer=true")  # fmt: skip
+    cfg = search.with_layout(cfg, "data:8", "batch:data", "", False)
+    step = parts.abstract_step(cfg)
+    params = memory.analytic(cfg, step).categories["params"]
+    found = candidates.search(cfg, step, step.element_spec, int(params * 1.6))  # less than params + their gradients
+    assert found.fit is not None, found
+    changes = dict(found.fit.changes)
+    assert "mesh" in changes, found
+    assert changes["mesh"].startswith("stage:") and "layers:stage" in changes["layout"], found.fit
+    assert found.needed <= params * 1.6
