@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~30 s; `pytest -m slow`. In CI the pipeline's checks run in tests/test_pipeline.py
 def test_bench_pipeline_quick(tmp_path):
     out = tmp_path / "bench_pipeline.json"
     cmd = [sys.executable, "scripts/bench_pipeline.py", "--quick", "--json", str(out)]
