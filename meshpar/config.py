@@ -528,7 +528,7 @@ def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
         key = "offload.params" if cfg.offload.params else "offload.activations"
         raise ConfigError(key, f"host offload inside a pipeline's stages is not supported (layers:{axes}); offload.optimizer is")
     sched = pipeline_lib.Schedule(axes, mesh_shape[axes], cfg.train.microbatches, p.schedule, p.repeats)
-    problem = pipeline_lib.problem(sched, getattr(cfg.model, "n_layers", None))
+    problem = pipeline_lib.problem(sched, pipeline_lib.stack_layers(cfg.model))
     if problem:
         raise ConfigError(*problem)
 

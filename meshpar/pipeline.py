@@ -69,10 +69,6 @@ class Schedule:
         """The schedule's idle share per stage: ``(S − 1) / (R·M + S − 1)`` (computed, not measured)."""
         return (self.stages - 1) / self.ticks
 
-    def __str__(self) -> str:
-        reps = f" × {self.repeats} repeats" if self.kind == "circular" else ""
-        return f"{self.kind}, {self.stages} stages over '{self.axis}'{reps}, {self.microbatches} microbatches"
-
 
 def stage_axis(layout: layout_lib.Layout) -> str | None:
     """The mesh axis the layout splits ``layers`` over (a one-axis rule), or None."""
@@ -87,6 +83,12 @@ def schedule_for(layout: layout_lib.Layout, kind: str, repeats: int, microbatche
     if axis is None:
         return None
     return Schedule(axis, layout.axis_size("layers"), microbatches, kind, repeats if kind == "circular" else 1)
+
+
+def stack_layers(model_cfg) -> int | None:
+    """The layers of a model's layer stack (``model.n_layers``), or None for a model without one
+    (the MLP): what a stage axis splits."""
+    return getattr(model_cfg, "n_layers", None)
 
 
 def problem(sched: Schedule, n_layers: int | None) -> tuple[str, str] | None:

@@ -55,7 +55,7 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import parts, trainer
+from meshpar import parts, pipeline, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
@@ -142,7 +142,7 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
 def _stage_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[str, int], str]]:
     """(factor, mesh shape, layout rules) for each stage split of `shape` (see the module docstring)."""
     donors = [a for a in cost.batch_axes(cfg.layout) if a in shape and a != STAGE_AXIS]
-    layers = getattr(cfg.model, "n_layers", None)  # a layer stack, as the pipeline reads it
+    layers = pipeline.stack_layers(cfg.model)
     if not donors or not layers or STAGE_AXIS in shape:
         return []
     out = []

@@ -86,7 +86,7 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, compile_cache, parts, throughput, trainer
+from meshpar import aot, compile_cache, parts, pipeline, throughput, trainer
 from meshpar import inputs as inputs_lib
 from meshpar import config as config_lib
 from meshpar import layout as layout_lib
@@ -158,12 +158,6 @@ def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
 
 
-def n_layers(cfg: Config) -> int | None:
-    """The layers of the model's layer stack (``model.n_layers``, as the pipeline reads it:
-    :func:`meshpar.config.check_pipeline`), or None without one."""
-    return getattr(cfg.model, "n_layers", None)
-
-
 def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
     """Every (stage axis, mesh, batch axes, model split, FSDP) choice over `num_devices`,
     duplicates included (a stage axis: see the module docstring)."""
@@ -173,7 +167,7 @@ def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
         added = MODEL_AXIS
         names.append(MODEL_AXIS)
     out = []
-    for s in (1, *stages.stage_sizes(n_layers(cfg), num_devices)):
+    for s in (1, *stages.stage_sizes(pipeline.stack_layers(cfg.model), num_devices)):
         for shape in factorisations(num_devices // s, len(names)):
             mesh = ((STAGE_AXIS, s), *zip(names, shape)) if s > 1 else tuple(zip(names, shape))
             subsets = [b for r in range(len(names) + 1) for b in itertools.combinations(names, r)]

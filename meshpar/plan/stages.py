@@ -28,7 +28,7 @@ the stack's output collected over the ticks (x), the cotangent of the stack's in
 backward scan accumulates (x), the circular schedule's loop buffer (x, R > 1), and under
 ``model.remat`` the backward tick's recomputed residuals of its group for one microbatch.
 
-**Time** (:func:`compute_factor`, :func:`ppermute_seconds`). A device runs one group per tick
+**Time** (:func:`compute_factor`, :func:`traffic`). A device runs one group per tick
 for T ticks: its busy time is the layer compute of L/S layers for B rows stretched by the
 bubble, ``T / (R·M)``, i.e.
 
