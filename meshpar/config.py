@@ -204,7 +204,8 @@ class HardwareConfig:
     # own limit where it reports one (on GPU XLA's allocator limit: by default 75% of the
     # device, XLA_PYTHON_CLIENT_MEM_FRACTION), else on CPU the host RAM divided by the number of
     # simulated devices. A value set here never exceeds the backend's limit; set it low to
-    # plan for a smaller device than this one.
+    # plan for a smaller device than this one. Under offload.unified_memory it is the device's
+    # own memory, which the plan may oversubscribe.
     memory_gib: float = dataclasses.field(default=0.0, metadata=at_least(0.0))
 
 
@@ -240,6 +241,20 @@ class OffloadConfig:
     # with the same names saved on the devices (scripts/bench_offload.py), not with none: a
     # remat policy changes the compiled program, so the losses differ from none's by rounding.
     activations: Literal["none", "layer_outputs", "dots"] = "none"
+    # CUDA Unified Memory (meshpar.unified_memory), the other out-of-core method: XLA's GPU
+    # allocator (BFC) takes managed memory, which the CUDA driver pages between the GPU and
+    # host memory on demand (2 MiB pages, on a page fault), so a step may need more than the
+    # device holds. meshpar.train sets TF_FORCE_UNIFIED_MEMORY=1, the allocator fraction
+    # (oversubscription) and XLA_PYTHON_CLIENT_PREALLOCATE=false before jax's backend starts;
+    # variables set already win and are reported. A CUDA GPU only: a config error elsewhere.
+    # It composes with every layout and with the offload settings above. The planner prices
+    # it beside them: python -m meshpar.plan --topology T --compare-out-of-core.
+    unified_memory: bool = False
+    # With unified_memory: how many times the device's memory XLA's allocator may take
+    # (XLA_CLIENT_MEM_FRACTION); the plan accepts up to that, and the bytes beyond the device's
+    # memory are "migrated": paged to host memory and back every step. At most 16 (host memory
+    # holds the rest).
+    oversubscription: float = dataclasses.field(default=1.5, metadata=between(1.0, 16.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +469,13 @@ def check(cfg: Config) -> None:
 
 def _check_offload(cfg: Config) -> None:
     """Activation offload is a remat policy applied inside the layer loop: it needs that loop and
-    takes model.remat's place."""
+    takes model.remat's place. Oversubscription is unified memory's."""
+    off = cfg.offload
+    default = OffloadConfig.oversubscription
+    if not off.unified_memory and off.oversubscription != default:
+        raise ConfigError(
+            "offload.oversubscription", f"{off.oversubscription:g} applies with offload.unified_memory: true (it is false)"
+        )
     setting = cfg.offload.activations
     if setting == "none":
         return

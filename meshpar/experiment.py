@@ -14,13 +14,12 @@ import dataclasses
 import jax
 
 from input_pipeline.errors import DataError
-from meshpar import compile_cache, init_from, parts, rundir, throughput, trainer
+from meshpar import compile_cache, init_from, models, parts, rundir, throughput, trainer, unified_memory
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import resume as resume_lib
 from meshpar.checkpoint import Checkpointer
 from meshpar.config import Config, ConfigError
-from meshpar import models
 from meshpar.plan import preflight
 
 
@@ -76,9 +75,13 @@ def build(cfg: Config) -> Experiment:
     made, then the train step compiled ahead of time, which the run then calls instead of
     compiling it again. Resuming a run whose schedule horizon differs from this config's
     (``--resume train.steps=<more>``) builds the step for the restored horizon: that one
-    compiles at its first call."""
+    compiles at its first call. With ``offload.unified_memory`` the variables it needs are set
+    before jax's backend starts, and checked once it has (:mod:`meshpar.unified_memory`)."""
+    env = unified_memory.set_up(cfg)  # before jax's backend starts (make_mesh starts it)
     compile_cache.configure(cfg.compile_cache)  # before the first compilation
     mesh = parts.make_mesh(cfg)
+    if env is not None:
+        unified_memory.check(env, mesh)  # the variables took effect on this process's devices
     layout = parts.make_layout(cfg, mesh)
     inputs = inputs_lib.build(cfg, mesh, layout)
     family = models.family(cfg.model.name)

@@ -106,6 +106,19 @@ def load_jax_plugins() -> None:
     xla_bridge._discover_and_register_pjrt_plugins()
 
 
+def backends_started() -> bool:
+    """Whether jax has started its backends (the first ``jax.devices()``, ``jax.jit`` call and the
+    like), without starting them: after that, the environment variables a backend reads at its
+    start (XLA's allocator's: :mod:`meshpar.unified_memory`) come too late for this process.
+
+    Public API to move to: none in jax 0.10 or 0.12 (every public way to ask about a backend
+    starts it).
+    """
+    from jax._src import xla_bridge  # private: see above
+
+    return xla_bridge.backends_are_initialized()
+
+
 def step_cublas_workspace_exceeds_lone() -> bool:
     """Whether this jaxlib's XLA:GPU gives the cuBLAS calls of a whole train step a larger
     workspace than the same matmul compiled alone (jaxlib 0.12: 32 MiB in the step, 4 MiB

@@ -1,6 +1,7 @@
 """The sections of the GPU check, one subcommand each (``scripts/device_check.sh`` runs them in order).
 
     python scripts/device_check.py SECTION --results DIR --work DIR --seconds S [--dry-run]
+    python scripts/device_check.py out-of-core-sweep --topology T --json PATH [k=v ...]
 
 SECTION is one of:
 
@@ -17,6 +18,16 @@ SECTION is one of:
   quickstart over every mesh of the devices present (``data:N/M,model:M``) →
   ``c_feeding.json``, rewritten as each mesh finishes; with one device it says the two coincide.
 - ``offload`` (d): ``scripts/bench_offload.py`` when this tree has it → ``d_offload.json``.
+- ``unified`` (d): CUDA Unified Memory against host-offload swapping → ``d_unified_memory.json``.
+  The planner's memory model over a geometric range of batch sizes (``out-of-core-sweep`` below)
+  picks the one at which ``experiments/gpu_lm.yaml`` on one GPU needs closest to ``UM_FACTOR`` ×
+  the GPU's memory without offload (the plan's figure); ``python -m meshpar.plan
+  --compare-out-of-core`` prices every method at that size; then runs of ``UM_STEPS`` steps, each
+  a process of its own: the plan's unified-memory row, and its fastest swap row where one fits,
+  each measured (median step, ``memory_stats()`` peak) beside its prediction (step, device bytes,
+  migrated bytes). Off a CUDA GPU (the dry run) it is skipped but still plans (the dry run's small
+  gpu_lm on a small planned device, ``DRY_UM_DEVICE_GIB``) and records that ``meshpar.train``
+  refuses the unified-memory run there (exit 2, one config error line).
 
 Every section writes its JSON with ``status`` (ok | failed | timed out | skipped), a one-line
 ``note`` and ``wall_s``, also when what it runs fails or outlives its ``--seconds``; the
@@ -32,6 +43,7 @@ import os
 import pathlib
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -49,20 +61,29 @@ LM_STEPS = {False: 40, True: 4}  # a few dozen on the GPU: compile once, then st
 FEEDING_STEPS = {False: 30, True: 6}
 OFFLOAD_STEPS = {False: 6, True: 2}
 OFFLOAD_SETTINGS = "none,optimizer,params,layer_outputs"
+# Unified memory vs swap: a config needing this many times one GPU's memory without offload
+# (the plan's figure), where unified memory oversubscribes (1.5× by default) and pages the rest.
+UM_FACTOR = 1.3
+UM_STEPS = 6  # per run: the first compiles, the median of the other five is the step time
+UM_TOPOLOGY = "h200-sxm-1"  # what the section predicts for off a CUDA GPU: the GPU it is written for
+# The dry run plans its small gpu_lm for a 64 MiB device (hardware.memory_gib, the planner only),
+# so that UM_FACTOR × the device falls inside the batch sweep as it does for gpu_lm on an H200.
+DRY_UM_DEVICE_GIB = 0.0625
 
 
 # ---- plumbing ------------------------------------------------------------------------------
 
 
-def run(cmd: list[str], seconds: float, log: pathlib.Path) -> tuple[int | None, str]:
-    """Run `cmd` from the repository root, its output echoed and appended to `log`; killed with
-    everything it started once `seconds` pass (returns None for the exit status then)."""
+def run(cmd: list[str], seconds: float, log: pathlib.Path, env: dict | None = None) -> tuple[int | None, str]:
+    """Run `cmd` from the repository root (`env`: variables added to this environment), its
+    output echoed and appended to `log`; killed with everything it started once `seconds` pass
+    (returns None for the exit status then)."""
     lines: list[str] = []
     with open(log, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, env={**os.environ, **env} if env else None)  # fmt: skip
 
         def pump():
             for line in proc.stdout:
@@ -329,11 +350,233 @@ def offload(args, device: dict) -> dict:
     return {"status": "ok", "note": f"bench_offload.py: {settings} settings measured", "results": found}
 
 
+def batch_sweep(base: int, per_doubling: int = 4, doublings: tuple[int, int] = (-1, 7), multiple: int = 8) -> list[int]:
+    """Global batch sizes from ``base × 2**doublings[0]`` to ``base × 2**doublings[1]``,
+    `per_doubling` to each doubling, each a multiple of `multiple`."""
+    lo, hi = doublings
+    return sorted({max(multiple, round(base * 2 ** (k / per_doubling) / multiple) * multiple)
+                   for k in range(lo * per_doubling, hi * per_doubling + 1)})  # fmt: skip
+
+
+def out_of_core_sweep(argv: list[str]) -> int:
+    """``device_check.py out-of-core-sweep --topology T --json PATH [k=v ...]``: the batch size at
+    which gpu_lm (under the overrides) needs closest to UM_FACTOR × one device's memory without
+    offload, by the planner's memory model (:func:`meshpar.plan.out_of_core.compare` without its
+    per-size compile: a compile of gpu_lm per batch size would take the check's whole budget).
+    Doublings from half the config's batch size to 128 × it, then quarter-doublings inside the
+    pair that brackets the target: the pick of the whole four-per-doubling range for a need that
+    grows with the batch. Writes what it priced to PATH."""
+    p = argparse.ArgumentParser(prog="device_check.py out-of-core-sweep")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--json", type=pathlib.Path, required=True)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    from meshpar import compile_cache, config, parts
+    from meshpar.plan import gpu_target, out_of_core, topology
+
+    cfg = config.load(str(ROOT / GPU_LM), args.overrides)
+    topo = topology.load(args.topology)
+    target = gpu_target.target(topo, cfg.mesh)  # the planner's own choice of compiler and devices
+    needs: dict[int, int] = {}
+    with compile_cache.suspended(target.compile_only):
+        mesh = parts.make_mesh(cfg, target.devices)
+
+        def price(sizes):
+            out = out_of_core.to_json(out_of_core.compare(cfg, topo, sizes, mesh, with_reference=False))
+            needs.update({r["batch_size"]: r["device_bytes"] for r in out["rows"] if r["kind"] == "none"})
+            return out
+
+        out = price(batch_sweep(cfg.train.batch_size, per_doubling=1))
+        target_bytes = UM_FACTOR * out["device_bytes"]
+        coarse = sorted(needs)
+        above = next((i for i, b in enumerate(coarse) if needs[b] >= target_bytes), None)
+        if above:  # a quarter-doubling sweep between the two doublings around the target
+            lo, hi = coarse[above - 1], coarse[above]
+            fine = [b for b in batch_sweep(lo, doublings=(0, 1)) if lo < b < hi]
+            if fine:
+                price(fine)
+    batch = min(needs, key=lambda b: abs(needs[b] - target_bytes))
+    result = {"topology": topo.name, "device_bytes": out["device_bytes"], "usable_bytes": out["usable_bytes"],
+              "oversubscription": out["oversubscription"], "factor": UM_FACTOR, "target_bytes": int(target_bytes),
+              "batch_size": batch, "none_device_bytes": dict(sorted(needs.items()))}  # fmt: skip
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"batch {batch}: no offload needs {needs[batch] / out['device_bytes']:.3f} x the device ({len(needs)} sizes priced)")
+    return 0
+
+
+def is_cuda(device: dict) -> bool:
+    return device.get("platform") == "gpu" and "NVIDIA" in str(device.get("device_kind", "")).upper()
+
+
+def swaps(row: dict) -> bool:
+    """Whether a row's overrides swap anything to host memory (an offload setting on)."""
+    return any(o in ("offload.optimizer=true", "offload.params=true") or (o.startswith("offload.activations=") and o != "offload.activations=none")
+               for o in row["overrides"])  # fmt: skip
+
+
+def out_of_core_runs(rows: list[dict], batch: int) -> dict[str, dict]:
+    """The plan's rows at `batch` that the section trains: ``unified`` (unified memory alone,
+    without swapping beside it, where the plan has that row) and ``swap``, each the fastest
+    predicted to fit (where none does, the one needing the least device memory), and ``none``
+    (not run: the baseline that does not fit)."""
+    picked = {}
+    for kind in ("none", "unified", "swap"):
+        rows_ = [r for r in rows if r["batch_size"] == batch and r["kind"] == kind]
+        if kind == "unified":
+            rows_ = [r for r in rows_ if not swaps(r)] or rows_
+        fitting = [r for r in rows_ if r["fits"]]
+        if fitting:
+            picked[kind] = min(fitting, key=lambda r: r["step_s"])
+        elif rows_:
+            picked[kind] = min(rows_, key=lambda r: r["device_bytes"])
+    return picked
+
+
+def step_times(workdir: pathlib.Path) -> tuple[list[float], str]:
+    """Every step's time of a run: its ``step_times.json``, or, for a run stopped before writing
+    it, the per-step rows of its ``metrics.jsonl`` (logged every step)."""
+    times = (read_json(workdir / "step_times.json") or {}).get("step_time_s")
+    if times:
+        return times, "step_times.json"
+    rows = []
+    try:
+        for line in (workdir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "step_time_s" in row:
+                rows.append(row["step_time_s"])
+    except (OSError, ValueError):
+        pass
+    return rows, "metrics.jsonl (the run did not finish)"
+
+
+def train_out_of_core(args, name: str, row: dict, overrides: list[str], seconds: float, env: dict | None) -> dict:
+    """Train `row`'s setting (its overrides over `overrides`) and measure it beside its prediction."""
+    workdir = args.work / f"unified_{name}"
+    cmd = [sys.executable, "-m", "meshpar.train", "--config", GPU_LM, *overrides, *row["overrides"], "train.progress=false",
+           "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", f"workdir={workdir}"]  # fmt: skip
+    rc, text = run(cmd, seconds, args.log, env)
+    summary = read_json(workdir / "summary.json")
+    times, source = step_times(workdir)
+    steady = times[1:]  # the first step compiles
+    stats = (summary or {}).get("input_memory", {}).get("memory_stats_peak_bytes_in_use")
+    out = {
+        "status": "ok", "rc": rc, "steps_timed": len(steady), "step_time_source": source if times else None,
+        "first_step_time_s": times[0] if times else None,
+        "median_step_time_s": statistics.median(steady) if steady else None,
+        "memory_stats_peak_bytes": max(stats.values()) if stats else None,
+        "memory_source": "memory_stats() peak_bytes_in_use" if stats else None,
+    }  # fmt: skip
+    if rc != 0 or summary is None:
+        out.update(failure(rc, seconds, text, f"python -m meshpar.train ({row['method']})"))
+        return out
+    shutil.copy(workdir / "summary.json", args.results / f"d_unified_memory_{name}_summary.json")
+    peak = "no memory_stats() peak" if stats is None else f"memory_stats peak {out['memory_stats_peak_bytes'] / 2**30:.2f} GiB"
+    out["note"] = f"median step {out['median_step_time_s'] * 1e3:.1f} ms over {len(steady)} steps, {peak}"
+    return out
+
+
+def unified(args, device: dict) -> dict:
+    deadline = time.monotonic() + args.seconds
+    cuda = is_cuda(device)
+    # One GPU (the first one visible where there are more): a mesh on an accelerator uses every device.
+    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]} if cuda and device["devices"] > 1 else None
+    topo = (device.get("topology") if device["devices"] == 1 else pick_topology("gpu", device["device_kind"], 1)) if cuda else UM_TOPOLOGY
+    if not topo:
+        return {"status": "skipped", "note": f"skipped: no topology for one {device['device_kind']}: no plan to pick the batch size"}
+    # remat none: activation offload (swapping the residuals, the study's swap) needs it, and it
+    # is what frees a step of 1.3x the device; unified memory pages the same residuals.
+    base = ["mesh=data:1", "model.remat=none", *(DRY_OVERRIDES if args.dry_run else [])]
+    # The runs' steps, so that the planner's compile of the chosen batch size is the unified-memory run's.
+    planned_for = [*base, f"train.steps={UM_STEPS}", *([f"hardware.memory_gib={DRY_UM_DEVICE_GIB}"] if args.dry_run else [])]
+    # 1. The batch size, by the planner's memory model over a geometric range (nothing compiled).
+    sweep = [sys.executable, str(pathlib.Path(__file__).resolve()), "out-of-core-sweep", "--topology", topo,
+             "--json", str(args.work / "out_of_core_sweep.json"), *planned_for]  # fmt: skip
+    seconds = min(deadline - time.monotonic(), 90.0)
+    rc, text = run(sweep, seconds, args.log, env)
+    picked_batch = read_json(args.work / "out_of_core_sweep.json")
+    if rc != 0 or not picked_batch:
+        return failure(rc, seconds, text, "the batch-size sweep (meshpar.plan.out_of_core)")
+    batch = picked_batch["batch_size"]
+    # 2. The planner's comparison at that size, its step compiled: the rows the runs are set beside.
+    path = args.work / "out_of_core.json"
+    cmd = [sys.executable, "-m", "meshpar.plan", "--config", GPU_LM, "--topology", topo, "--compare-out-of-core",
+           "--batch-sweep", str(batch), "--json", str(path), *planned_for]  # fmt: skip
+    seconds = min(deadline - time.monotonic(), 120.0)
+    rc, text = run(cmd, seconds, args.log, env)
+    data = read_json(path)
+    if rc not in (0, 1) or not data or not data.get("rows"):
+        return failure(rc, seconds, text, "python -m meshpar.plan --compare-out-of-core")
+    device_bytes = data["device_bytes"]
+    picked = out_of_core_runs(data["rows"], batch)
+    need = picked["none"]["device_bytes"]
+    out = {
+        "status": "ok", "platform": device["platform"], "topology": topo, "cuda": cuda, "batch_size": batch,
+        "planner": {"sweep": " ".join(["python", *sweep[1:]]), "command": " ".join(["python", *cmd[1:]]),
+                    "compiled_for": data.get("compiled_for"), "device_bytes": device_bytes, "usable_bytes": data.get("usable_bytes"),
+                    "oversubscription": data.get("oversubscription"), "factor": UM_FACTOR, "target_bytes": int(UM_FACTOR * device_bytes),
+                    "none_over_device": need / device_bytes, "none_device_bytes": picked_batch["none_device_bytes"],
+                    "device": f"hardware.memory_gib={DRY_UM_DEVICE_GIB:g}, the dry run's small device" if args.dry_run else "the GPU",
+                    "source": "the plan's figures (meshpar.plan), not a measurement"},
+        "rows": data["rows"],
+        "runs": [{"name": k, "batch_size": batch, **{f: picked[k][f] for f in ("method", "kind", "overrides")},
+                  "predicted": {f: picked[k].get(f) for f in ("step_s", "device_bytes", "host_bytes", "migrated_bytes", "fits")}}
+                 for k in ("none", "unified", "swap") if k in picked],
+    }  # fmt: skip
+    plan_note = (f"batch {batch}: no offload needs {out['planner']['none_over_device']:.2f} x the planned device's "
+                 f"{device_bytes / 2**30:.3g} GiB on {topo} (the plan's figure)")  # fmt: skip
+    overrides = [*(o for o in base if not o.startswith("train.batch_size=")), f"train.steps={UM_STEPS}", f"train.batch_size={batch}"]
+    if not cuda:
+        for r in out["runs"]:
+            r.update(status="not run (no CUDA GPU)", note="")
+        # The unified-memory run as a GPU would start it: meshpar.train must refuse it here, in one line.
+        row = picked.get("unified") or {"overrides": ["offload.unified_memory=true"]}
+        refuse = [sys.executable, "-m", "meshpar.train", "--config", GPU_LM, *overrides, *row["overrides"], "train.progress=false",
+                  "checkpoint.every=0", f"workdir={args.work / 'unified_refused'}"]  # fmt: skip
+        seconds = max(min(deadline - time.monotonic(), 60.0), 1.0)
+        rc, text = run(refuse, seconds, args.log)
+        line = next((x.strip() for x in text.splitlines() if x.startswith("config error: offload.unified_memory")), last_line(text))
+        refused = rc == 2 and line.startswith("config error: offload.unified_memory")
+        out["refusal"] = {"command": " ".join(["python", *refuse[1:]]), "rc": rc, "line": line, "refused": refused}
+        if not refused:
+            return {**out, "status": "failed", "note": f"unified memory on platform {device['platform']} was not refused: exit {rc}: {line}"}
+        return {**out, "status": "skipped", "note": f"skipped: unified memory needs a CUDA GPU (platform {device['platform']})",
+                "plan_note": plan_note}  # fmt: skip
+    notes = [plan_note]
+    for r in out["runs"]:
+        if r["name"] == "none":
+            r.update(status="not run", note=f"predicted to need {out['planner']['none_over_device']:.2f} x the device")
+        elif r["name"] == "swap" and not r["predicted"]["fits"]:  # a certain out-of-memory: its compile's minute goes to unified memory
+            usable = data.get("usable_bytes") or device_bytes
+            r.update(status="not run", note=f"no swap setting fits at batch {batch}: the one needing least, {r['method']}, "
+                                            f"needs {r['predicted']['device_bytes'] / usable:.2f} x the usable device")  # fmt: skip
+            notes.append(f"swap: {r['note']}")
+    measured = [r for r in out["runs"] if r["name"] != "none" and r.get("status") != "not run"]
+    for i, r in enumerate(measured):
+        left = deadline - time.monotonic()
+        share = left * 0.55 if i + 1 < len(measured) else left  # unified memory first: its steps page
+        if share < 10:
+            r.update(status="skipped", note="no time left in this section")
+        else:
+            r.update(train_out_of_core(args, r["name"], r, overrides, share, env))
+        notes.append(f"{r['method']}: {r['status']}{': ' + r['note'] if r.get('note') else ''}")
+        write(args.results, "d_unified_memory", {**out, "section": "d_unified_memory", "status": "running", "note": "; ".join(notes)})
+    # A run the plan says does not fit may fail (the pre-flight refuses it): only the others decide the status.
+    bad = [r for r in measured if r["status"] != "ok" and r["predicted"]["fits"]]
+    if bad:
+        out["status"] = "timed out" if all(r["status"] == "timed out" for r in bad) else "failed"
+    out["note"] = "; ".join(notes)
+    return out
+
+
 SECTIONS = {"feed": ("a_feed", feed), "plan": ("plan", plan), "lm": ("b_gpu_lm", lm),
-            "feeding": ("c_feeding", feeding), "offload": ("d_offload", offload)}  # fmt: skip
+            "feeding": ("c_feeding", feeding), "offload": ("d_offload", offload),
+            "unified": ("d_unified_memory", unified)}  # fmt: skip
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["out-of-core-sweep"]:  # the unified section's helper, a process of its own
+        return out_of_core_sweep(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("section", choices=["info", *SECTIONS])
     p.add_argument("--results", type=pathlib.Path, required=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, one command, under 5 minutes on one GPU, fetching nothing from the network:
+# GPU check, one command, under 8 minutes on one GPU, fetching nothing from the network:
 #
 #   bash scripts/device_check.sh [--dry-run] [RESULTS_DIR]   (default: runs/device_check[_dry])
 #
@@ -10,9 +10,14 @@
 #   b_gpu_lm    gpu_lm for a few dozen steps: step time, tokens/s, MFU (bf16 peak), memory_stats peak vs plan
 #   c_feeding   routed vs direct (compare_feeding) on every mesh of the devices present
 #   d_offload   scripts/bench_offload.py, or one "skipped: ..." line
+#   d_unified_memory   unified memory vs swap: gpu_lm at the batch size the plan says needs ~1.3x the
+#               GPU, priced by python -m meshpar.plan --compare-out-of-core, trained with the plan's
+#               unified-memory row and its fastest swap row that fits: median step and memory_stats
+#               peak beside the predictions; off a CUDA GPU skipped, with the plan and meshpar.train's
+#               refusal recorded
 #   e_predictions + summary.md   the time model's prediction beside each measurement (scripts/device_report.py)
 # Each section has its own time limit (printed with its wall time) and the whole check a
-# budget, DEVICE_CHECK_BUDGET seconds (default 290; 900 with --dry-run): a section that hangs
+# budget, DEVICE_CHECK_BUDGET seconds (default 460; 900 with --dry-run): a section that hangs
 # is stopped and reported, and the ones after it still run with what is left.
 #
 # --dry-run shrinks every workload (gpu_lm to two layers of width 128, a few steps; two
@@ -28,7 +33,7 @@ DRY=()
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=(--dry-run); shift; fi
 DEFAULT=runs/device_check; [[ ${#DRY[@]} -gt 0 ]] && DEFAULT=runs/device_check_dry
 RESULTS=$(mkdir -p "${1:-$DEFAULT}" && cd "${1:-$DEFAULT}" && pwd) || exit 2
-BUDGET=${DEVICE_CHECK_BUDGET:-$([[ ${#DRY[@]} -gt 0 ]] && echo 900 || echo 290)}
+BUDGET=${DEVICE_CHECK_BUDGET:-$([[ ${#DRY[@]} -gt 0 ]] && echo 900 || echo 460)}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d -t meshpar-device-check.XXXXXX)
 rm -f "$RESULTS"/*.json "$RESULTS"/*.log "$RESULTS"/sections.tsv "$RESULTS"/summary.md
@@ -67,13 +72,17 @@ section() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RESULTS/nvidia-smi.txt" 2>&1 || echo "nvidia-smi: not available" >"$RESULTS/nvidia-smi.txt"
 cat "$RESULTS/nvidia-smi.txt"
 # Planned GPU times (one H200): device ~10 s, feed ~20, plan ~45 (AOT compile of a 1 B model),
-# gpu_lm ~60 (cache hit + 40 steps), feeding ~45, offload ~30, report ~5: ~215 s of 290.
+# gpu_lm ~60 (cache hit + 40 steps), feeding ~45, offload ~30, unified ~200 (the batch-size sweep
+# ~20, the plan's compile of gpu_lm (remat none) at 3x its batch ~40, the unified-memory run ~80:
+# its compile possibly the plan's, then 5 steps paging ~60 GB over PCIe each; the swap run,
+# activation offload, ~60), report ~5: ~415 s of 460.
 section info device 40
 section feed a_feed 45
 section plan plan 90
 section lm b_gpu_lm 110
 section feeding c_feeding 70
 section offload d_offload 60
+section unified d_unified_memory 240
 
 printf '\n=== e_predictions + summary (%s)\n' "$(date +%T)"
 t0=$SECONDS

@@ -3,13 +3,14 @@ measurement of sections (a)-(d), then one markdown page of the whole check.
 
     python scripts/device_report.py --results DIR [--command "bash scripts/device_check.sh ..."]
 
-Reads ``DIR/{device,a_feed,plan,b_gpu_lm,c_feeding,d_offload}.json`` and ``DIR/sections.tsv``
+Reads ``DIR/{device,a_feed,plan,b_gpu_lm,c_feeding,d_offload,d_unified_memory}.json`` and ``DIR/sections.tsv``
 (section, exit status, wall seconds, budget, as ``scripts/device_check.sh`` records them); writes
 ``DIR/e_predictions.json`` and ``DIR/summary.md``. A missing or failed section is a row that
 says so, never a missing file. Predictions come from :mod:`meshpar.plan` on the topology
 ``device.json`` names (``h200-sxm-1`` for one H200; ``cpu-sim`` in a dry run, measured on this
 host): placement from :mod:`meshpar.plan.feed_time`, the step and the memory from
-``python -m meshpar.plan`` (section ``plan``).
+``python -m meshpar.plan`` (section ``plan``), unified memory and swap from ``python -m
+meshpar.plan --compare-out-of-core`` (section ``d_unified_memory``, which records them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SECTIONS = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "d_offload", "e_predictions")
+SECTIONS = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "d_offload", "d_unified_memory", "e_predictions")
 
 
 def _read(results: pathlib.Path, name: str) -> dict:
@@ -102,9 +103,28 @@ def predictions(sections: dict) -> dict:
                 if isinstance(measured, (int, float)):
                     add("d", f"{name}: {key.removeprefix('predicted_')} {r.get('name', r.get('variant', ''))}".strip(),
                         measured, r[key], "")  # fmt: skip
+    for r in sections["d_unified_memory"].get("runs", []):
+        what = f"{r['method']}, batch {r['batch_size']}"
+        if r.get("median_step_time_s") is not None:
+            add("d", f"out of core: {what}: step time (median)", r["median_step_time_s"], r["predicted"]["step_s"], "s")
+        if r.get("memory_stats_peak_bytes") is not None:
+            add("d", f"out of core: {what}: peak memory ({_peak_versus(r)})", r["memory_stats_peak_bytes"], _peak_predicted(r), "B")
     known = [r for r in rows if r["measured_over_predicted"] is not None]
     note = f"{len(known)} measurements beside their prediction on {topo.name}"
     return {**out, "status": "ok", "note": note}
+
+
+def _peak_predicted(run: dict):
+    """What a run's memory_stats() peak compares with: the device bytes, and under unified memory
+    the migrated bytes too (its allocator counts managed memory wherever the pages lie)."""
+    p = run["predicted"]
+    if run["kind"] == "unified" and p.get("device_bytes") is not None:
+        return p["device_bytes"] + (p.get("migrated_bytes") or 0)
+    return p.get("device_bytes")
+
+
+def _peak_versus(run: dict) -> str:
+    return "vs device + migrated bytes" if run["kind"] == "unified" else "vs device bytes"
 
 
 def _offload_rows(result) -> list[dict]:
@@ -204,6 +224,7 @@ def markdown(sections: dict, times: dict, command: str) -> str:
                 lines.append(f"| {r.get('setting', '')} | {_fmt(r.get('median_step_s'), 's')} | {_fmt(r.get('peak_bytes_in_use'), 'B')} | "
                              f"{_fmt(xla.get('temp_size_in_bytes'), 'B')} | {_fmt(host if xla else None, 'B')} |")  # fmt: skip
             lines.append("")
+    lines += _unified_memory(sections["d_unified_memory"])
     pred = sections["e_predictions"]
     lines += ["## (e) the time model beside each measurement", "", pred.get("note", ""), ""]
     if pred.get("rows"):
@@ -213,6 +234,43 @@ def markdown(sections: dict, times: dict, command: str) -> str:
                          f"{_fmt(r['measured_over_predicted'])} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
+
+
+def _planned_device(planner: dict) -> str:
+    device = planner.get("device")
+    return f"; {device}" if device and device != "the GPU" else ""
+
+
+def _unified_memory(um: dict) -> list[str]:
+    """Section (d)'s unified memory vs swap: each run's prediction beside its measurement."""
+    lines = ["## (d) Unified memory vs swap", "", um.get("note", ""), ""]
+    planner = um.get("planner")
+    if not planner:
+        return lines
+    lines += [f"Batch size {um['batch_size']}, where the plan's need without offload is {planner['none_over_device']:.2f} x the "
+              f"{_fmt(planner['device_bytes'], 'B')} of one device (`{um['topology']}`{_planned_device(planner)}), aiming at "
+              f"{planner['factor']:g} x: the model's figures, not a measurement (steps compiled for "
+              f"{planner.get('compiled_for') or '—'}). Unified memory's oversubscription: {_fmt(planner.get('oversubscription'))}.", ""]  # fmt: skip
+    lines += ["| method | batch size | predicted step | measured step (median) | predicted device bytes | measured peak | "
+              "migrated bytes (predicted) | host bytes (predicted) | status |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in um.get("runs", []):
+        p = r["predicted"]
+        status = r.get("status", "")
+        if status != "ok" and r.get("note"):
+            status += f": {r['note']}"
+        if not p.get("fits"):
+            status += "; predicted not to fit"
+        lines.append(f"| {r['method']} | {r['batch_size']} | {_fmt(p.get('step_s'), 's')} | {_fmt(r.get('median_step_time_s'), 's')} | "
+                     f"{_fmt(p.get('device_bytes'), 'B')} | {_fmt(r.get('memory_stats_peak_bytes'), 'B')} | "
+                     f"{_fmt(p.get('migrated_bytes'), 'B')} | {_fmt(p.get('host_bytes'), 'B')} | {status} |")  # fmt: skip
+    lines += ["", "Under unified memory `memory_stats()` counts managed memory wherever its pages lie, so that run's peak "
+              "compares with device + migrated bytes, and its allocator limit (`bytes_limit`) reads oversubscription x "
+              "the device's memory.", ""]  # fmt: skip
+    refusal = um.get("refusal")
+    if refusal:
+        said = "refused it" if refusal["refused"] else "did NOT refuse it"
+        lines += [f"On platform {um.get('platform')}, `meshpar.train` {said}: exit {refusal['rc']}, `{refusal['line']}`", ""]
+    return lines
 
 
 def main(argv=None) -> int:

@@ -75,6 +75,8 @@ def env():
 SMOKE = (
     "tests/test_config.py",
     "tests/test_offload.py",
+    "tests/test_unified_memory.py",
+    "tests/test_plan_unified.py::test_more_oversubscription_migrates_more_and_slows_the_step",
     "tests/test_checkpoint.py",
     "tests/test_trainer.py::test_routed_and_direct_train_bit_identically",
     "tests/test_resume.py::test_resume_from_a_mid_run_checkpoint_is_bit_identical[direct-0]",

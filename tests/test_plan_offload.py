@@ -147,7 +147,7 @@ def _costs(cfg, topo, overlap=True):
     """The PRICED options of `cfg` on `topo` (quicker than offload_cost.compare's every option)."""
     out = {}
     for label, overrides in PRICED.items():
-        new = offload_cost._apply(cfg, overrides)
+        new = offload_cost.applied(cfg, overrides)
         out[label] = offload_cost.cost(
             new, parts.abstract_step(new), topo, offload_cost.Option(label, overrides), overlap
         )

@@ -77,7 +77,7 @@ def test_every_experiment_has_its_options_and_machines_without_compiling(name):
     fsdp = [o for o in options if o.label.startswith("param_layout=")]
     assert len(fsdp) + len(skipped) == 1  # FSDP proposed, or said why not
     for fsdp_option in fsdp:  # a rule that builds: never two dims of one parameter on one axis
-        new = offload_cost._apply(cfg, fsdp_option.overrides)
+        new = offload_cost.applied(cfg, fsdp_option.overrides)
         parts.abstract_step(new, step.mesh, step.element_spec)
     held = [plan_cli._topology(cfg, t).num_devices >= step.mesh.size for t in topology.names()]
     assert held[topology.names().index(topology.CPU_SIM)]

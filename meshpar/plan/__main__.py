@@ -19,6 +19,12 @@ overlapped with compute.
 ``--compare-feeding --topology NAME [--png PATH]`` predicts instead, for process batches of
 1 MiB to 1 GiB, placement time and the relay device's extra memory, routed vs direct, for the
 config's mesh and layout on that machine; nothing is compiled.
+``--compare-out-of-core --topology NAME [--batch-sweep B,B,...] [--layer]`` prints instead every
+way past the device's memory — none, swapping (each offload setting), CUDA Unified Memory
+(alone and with the state swapped), remat, microbatches, FSDP — at each global batch size
+(default: the config's × 1, 4, 16, 64), with device, host and migrated bytes per device and the
+predicted step; ``--layer`` adds one layer's figures (:mod:`meshpar.plan.out_of_core`);
+``--json PATH`` writes them.
 
 ``--search [--topology NAME] [--top K] [--write PATH]`` searches instead every mesh and layout
 of the machine's devices (``cpu-sim`` when no topology is named) for the fastest one that fits
@@ -28,8 +34,8 @@ the best `K` (default 5) by an analytic estimate are compiled and ranked by the 
 model. ``--write PATH`` writes the best one as an experiment YAML that
 ``python -m meshpar.train --config PATH`` runs; ``--json PATH`` writes the search.
 
-Exit status: 0 when the plan fits (``--compare-feeding``: always; ``--search``: when a layout
-fits), 1 when it does not; 2 on a
+Exit status: 0 when the plan fits (``--compare-feeding``, ``--compare-out-of-core``: always;
+``--search``: when a layout fits), 1 when it does not; 2 on a
 config or data mistake (an unknown ``--topology`` included), with one line ``config error:
 <key>: <what is wrong>`` (``data error: ...``) on stderr.
 """
@@ -49,7 +55,7 @@ from rich.console import Console
 from meshpar import config as config_lib
 from meshpar import compile_cache, errors, models, parts
 from meshpar.config import ConfigError
-from meshpar.plan import cost, feed_time, gpu_target, offload_cost, search_report, time_report, timing, topology
+from meshpar.plan import cost, feed_time, gpu_target, offload_cost, out_of_core, search_report, time_report, timing, topology
 from meshpar.plan import report as report_lib
 from meshpar.plan import search as search_lib
 
@@ -145,7 +151,9 @@ class _Offload:
 
     def to_json(self) -> dict:
         def one(costs):
-            return [{**dataclasses.asdict(c), "exposed_s": c.exposed_s} for c in costs]
+            # the paging model's passes are left out (``--compare-out-of-core --json`` has its figures)
+            return [{**{k: v for k, v in dataclasses.asdict(c).items() if k != "migration"}, "exposed_s": c.exposed_s}
+                    for c in costs]  # fmt: skip
 
         return {"host_bandwidth": self.bandwidth, "usable_bytes": self.usable, "overlap": self.overlap,
                 "options": one(self.costs), "sweep": [{"batch_size": b, "options": one(c)} for b, c in self.sweep],
@@ -153,15 +161,35 @@ class _Offload:
 
 
 def _batch_sizes(cfg, text: str) -> list[int]:
-    if not text:
-        return [cfg.train.batch_size * f for f in (1, 8, 64, 512)]
-    try:
-        sizes = [int(b) for b in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise ConfigError("--offload-sweep", f"expected global batch sizes such as 32,256,2048, got {text!r}")
-    return sizes
+    return out_of_core.batch_sizes(cfg, text, "--offload-sweep", (1, 8, 64, 512))
+
+
+def compare_out_of_core(cfg, args) -> int:
+    """Print (and write as JSON) every way past the device's memory, per batch size on the
+    named machine (:mod:`meshpar.plan.out_of_core`), and with ``--layer`` one layer's figures."""
+    topo = _topology(cfg, args.topology)
+    sizes = out_of_core.batch_sizes(cfg, args.batch_sweep or "")
+    target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
+    with compile_cache.suspended(target.compile_only):
+        mesh = parts.make_mesh(cfg, target.devices)
+        if mesh.size > topo.num_devices:
+            raise ConfigError("--topology", f"{topo.name} has {topo.num_devices} devices, the config's mesh {mesh.size}")
+        with Console(stderr=True).status("pricing") as status:
+            status.update(f"pricing {len(sizes)} batch sizes on {topo.name}")
+            result = out_of_core.compare(cfg, topo, sizes, mesh, overlap=not args.no_overlap)
+    compiled_for = target.compiled_for or gpu_target.host_label(mesh)
+    if args.json:
+        _write(args.json, json.dumps({"compiled_for": compiled_for, **out_of_core.to_json(result, args.layer)}, indent=2) + "\n")
+    console = Console(width=max(Console().width, 150))
+    if target.note:
+        console.print(target.note, markup=False, soft_wrap=True)
+    console.print(f"steps compiled for: {compiled_for}", markup=False)
+    console.print(out_of_core.table(result))
+    if args.layer:
+        console.print(out_of_core.layer_table(result))
+    for line in result.skipped:
+        console.print(f"skipped: {line}", markup=False, soft_wrap=True)
+    return 0
 
 
 def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_s: float, prepared=None,
@@ -173,8 +201,9 @@ def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_
         prepared = offload_cost.prepare_all(cfg, step, skipped)
     costs = offload_cost.priced(prepared, topo, overlap, reference_s)
     sweep = offload_cost.sweep(cfg, topo, sizes, overlap, mesh=step.mesh) if sizes else []
-    # The config's planned device when it names one (hardware.memory_gib), else the machine's.
-    usable = cost.machine_capacity(cfg, topo, step.mesh).usable_bytes
+    # The config's planned device when it names one (hardware.memory_gib), else the machine's;
+    # without unified memory (its options carry their own oversubscribed capacity).
+    usable = cost.machine_capacity(offload_cost.without_unified(cfg), topo, step.mesh).usable_bytes
     return _Offload(costs, sweep, offload_cost.host_bandwidth(topo, step.mesh.size), usable, overlap, skipped or ())
 
 
@@ -227,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --topology: compare offload, remat, microbatches, FSDP at these global batch sizes",
     )  # fmt: skip
     parser.add_argument("--no-overlap", action="store_true", help="with --topology: offload transfers not overlapped")
+    parser.add_argument(
+        "--compare-out-of-core", action="store_true",
+        help="with --topology: none, swap (each offload setting), unified memory, remat, microbatches per batch size",
+    )  # fmt: skip
+    parser.add_argument("--batch-sweep", metavar="B,B,...", help="with --compare-out-of-core: these global batch sizes")
+    parser.add_argument("--layer", action="store_true", help="with --compare-out-of-core: also one layer's figures")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)
@@ -241,6 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.compare_feeding:
                 raise ConfigError("--search", "and --compare-feeding are separate commands: pick one")
             return search(cfg, args, argv)
+        if (args.batch_sweep is not None or args.layer) and not args.compare_out_of_core:
+            raise ConfigError("--batch-sweep" if args.batch_sweep is not None else "--layer",
+                              "goes with --compare-out-of-core: add it")  # fmt: skip
+        if args.compare_out_of_core:
+            if args.compare_feeding or args.offload_sweep is not None:
+                other = "--compare-feeding" if args.compare_feeding else "--offload-sweep"
+                raise ConfigError("--compare-out-of-core", f"and {other} are separate commands: pick one")
+            if not args.topology:
+                known = ", ".join(topology.names())
+                raise ConfigError("--topology", f"--compare-out-of-core needs a machine (known: {known})")
+            return compare_out_of_core(cfg, args)
         if args.compare_feeding or args.png:
             if not args.compare_feeding:
                 raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")

@@ -72,36 +72,70 @@ class Capacity:
     bytes: int
     source: str
     headroom_bytes: int
+    # Under unified memory (offload.unified_memory) the device's own memory, which the
+    # allocator's `bytes` oversubscribe; 0: no oversubscription (`bytes` is all on the device).
+    device_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
         """What a plan may use: the capacity less its headroom."""
         return self.bytes - self.headroom_bytes
 
+    @property
+    def device_usable_bytes(self) -> int:
+        """What a plan may keep in the device's own memory: the usable bytes, or under unified
+        memory the device's own memory less the same share of headroom."""
+        if not self.device_bytes:
+            return self.usable_bytes
+        return self.device_bytes - int(self.device_bytes * HEADROOM_FRACTION)
 
-def allocator_fraction(environ: Mapping[str, str] | None = None) -> tuple[float, str]:
+    def migrated(self, need: int) -> int:
+        """Bytes of a plan needing `need` that unified memory pages to host memory: what does
+        not fit the device's own memory (0 without unified memory)."""
+        return max(need - self.device_usable_bytes, 0) if self.device_bytes else 0
+
+
+def allocator_fraction(environ: Mapping[str, str] | None = None, oversubscription: float | None = None) -> tuple[float, str]:
     """XLA's GPU allocator fraction and where it came from (see the module docstring). A value
-    that is not a number in (0, 1] is a ConfigError on the variable."""
+    that is not a number in (0, 1] is a ConfigError on the variable.
+
+    `oversubscription`: the config's under unified memory (``offload.unified_memory``), where a
+    variable set in the environment still wins (:mod:`meshpar.unified_memory`), any number
+    above 0 is allowed, and the allocator takes ``max(1, fraction)`` of the device (XLA's BFC
+    allocator under ``TF_FORCE_UNIFIED_MEMORY``)."""
     environ = os.environ if environ is None else environ
+    unified = oversubscription is not None
     for name in FRACTION_VARIABLES:
         text = environ.get(name)
-        if text is None:
+        if not text:  # jaxlib reads an empty one as unset
             continue
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not 0 < value <= 1:
-            raise ConfigError(name, f"is {text!r}: XLA's allocator fraction is a number in (0, 1]")
+        if unified and 0 < value < math.inf:
+            return max(value, 1.0), f"{name}={text}, unified memory"
+        if not (0 < value < math.inf and (unified or value <= 1)):
+            allowed = "a number above 0" if unified else "a number in (0, 1]"
+            raise ConfigError(name, f"is {text!r}: XLA's allocator fraction is {allowed}")
         return value, f"{name}={text}"
+    if unified:
+        return max(oversubscription, 1.0), f"offload.oversubscription={oversubscription:g}"
     return DEFAULT_FRACTION, f"{DEFAULT_FRACTION:g} by default"
+
+
+def oversubscription(cfg: Config) -> float | None:
+    """The config's ``offload.oversubscription`` under unified memory, else None."""
+    off = getattr(cfg, "offload", None)
+    return off.oversubscription if getattr(off, "unified_memory", False) else None
 
 
 def capacity(memory_bytes: int, source: str, fraction: float = 1.0) -> Capacity:
     """The capacity of a device of `memory_bytes` under an allocator that may take `fraction`
-    of it, with the headroom kept: the one formula every capacity comes from."""
+    of it, with the headroom kept: the one formula every capacity comes from. A fraction above
+    1 is unified memory's oversubscription: the device's own bytes are kept beside."""
     total = int(memory_bytes * fraction)
-    return Capacity(total, source, int(total * HEADROOM_FRACTION))
+    return Capacity(total, source, int(total * HEADROOM_FRACTION), int(memory_bytes) if fraction > 1 else 0)
 
 
 def host_memory_bytes() -> int | None:
@@ -135,17 +169,31 @@ def capacity_from(
     memory_gib: float,
     platform: str,
     host_bytes: int | None,
+    oversubscription: float | None = None,
 ) -> Capacity:
     """The per-device capacity from what each of this process's mesh devices reports
     (``device.memory_stats()``, None where it reports nothing), ``hardware.memory_gib``
     (0 = unset), the platform and the host's RAM. Pure: the inputs are passed in. A backend
-    limit already is memory × the allocator fraction (see the module docstring)."""
+    limit already is memory × the allocator fraction (see the module docstring).
+
+    `oversubscription` (unified memory, :func:`oversubscription`): the backend's limit is the
+    device's memory × the fraction in effect (:func:`allocator_fraction`), and
+    ``hardware.memory_gib`` the device's own memory; a CPU is a ConfigError."""
+    if oversubscription is not None and platform == "cpu":
+        raise ConfigError("offload.unified_memory", "needs a CUDA GPU, and this plan's devices are cpu: plan it for "
+                                                    "one with --topology NAME (e.g. h100-sxm-8)")  # fmt: skip
     limits = [int(s["bytes_limit"]) for s in memory_stats if s and s.get("bytes_limit")]
     backend = None
+    fraction = allocator_fraction(oversubscription=oversubscription)
     if limits and len(limits) == len(memory_stats):
         backend = min(limits)  # the smallest device bounds every device of the layout
-        fraction = allocator_fraction()[1]
-        backend_source = f"{platform} bytes_limit (XLA's allocator; preallocated fraction {fraction})"
+        backend_source = f"{platform} bytes_limit (XLA's allocator; preallocated fraction {fraction[1]})"
+    if oversubscription is not None:  # the device's own memory × the fraction in effect
+        if backend is not None and memory_gib <= 0:
+            return capacity(int(backend / fraction[0]), backend_source, fraction[0])
+        if memory_gib > 0:
+            return capacity(int(memory_gib * GIB), f"hardware.memory_gib={memory_gib:g} × {fraction[0]:g} ({fraction[1]})",
+                            fraction[0])  # fmt: skip
     if memory_gib > 0:
         wanted = int(memory_gib * GIB)
         if backend is not None and backend < wanted:
@@ -167,7 +215,10 @@ def device_capacity(cfg: Config, mesh) -> Capacity:
     devices = list(mesh.local_devices)
     stats = [d.memory_stats() for d in devices]  # None on CPU (jax 0.10 and 0.12)
     try:
-        return capacity_from(stats, cfg.hardware.memory_gib, devices[0].platform, host_memory_bytes())
+        return capacity_from(stats, cfg.hardware.memory_gib, devices[0].platform, host_memory_bytes(),
+                             oversubscription(cfg))  # fmt: skip
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError("hardware.memory_gib", str(e)) from None
 
@@ -178,11 +229,16 @@ def machine_capacity(cfg: Config, topo, mesh=None) -> Capacity:
     its memory × the allocator fraction, or ``hardware.memory_gib`` when that is smaller."""
     if topo.device_link.kind == "memcpy" and mesh is not None:
         return device_capacity(cfg, mesh)
-    fraction, why = allocator_fraction()
-    machine = capacity(topo.memory_bytes, f"{topo.name} {topo.memory_bytes / GIB:.0f} GiB × {fraction:g} ({why})",
-                       fraction)  # fmt: skip
+    over = oversubscription(cfg)
+    if over is not None and topo.gpu is None and topo.device_link.kind == "memcpy":
+        raise ConfigError("offload.unified_memory", f"needs a CUDA GPU, and {topo.name} has none")
+    fraction, why = allocator_fraction(oversubscription=over)
     gib = cfg.hardware.memory_gib
-    if 0 < gib and gib * GIB < machine.bytes:
+    memory = topo.memory_bytes
+    if over is not None and 0 < gib and gib * GIB < memory:  # a smaller device, oversubscribed alike
+        return capacity(int(gib * GIB), f"hardware.memory_gib={gib:g} × {fraction:g} ({why})", fraction)
+    machine = capacity(memory, f"{topo.name} {memory / GIB:.0f} GiB × {fraction:g} ({why})", fraction)
+    if over is None and 0 < gib and gib * GIB < machine.bytes:
         return capacity(int(gib * GIB), f"hardware.memory_gib={gib:g}")
     return machine
 

@@ -277,6 +277,9 @@ class Breakdown:
     exact: frozenset[str]  # the categories computed exactly; the others are estimates
     # Per-device bytes in pinned host memory (host offload), by category; empty without offload.
     host: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The traced residuals' bytes made before the layer loop, by it (all layers) and after it:
+    # where the step makes its activations (meshpar.plan.unified); (0, 0, 0) untraced.
+    residual_split: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def total(self) -> int:
@@ -529,4 +532,8 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
         cfg, step, params=params, grads=grads, optimizer=optimizer, activations=activations,
         workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
     )  # fmt: skip
-    return Breakdown(categories, exact, host)
+    loop_at = min((r.at for r in kept if r.loop), default=None)
+    before = sum(r.total for r in kept if not r.loop and loop_at is not None and r.at < loop_at)
+    looped = sum(r.total for r in kept if r.loop)
+    split = (before, looped, sum(r.total for r in kept) - before - looped)
+    return Breakdown(categories, exact, host, split)

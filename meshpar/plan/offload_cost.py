@@ -37,6 +37,10 @@ counts only the largest parameter's state there) and goes back after its update,
 leaf; in and out share the duplex link, so the step pays ``max(bytes in, bytes out) /
 bandwidth``.
 
+**Unified memory** (``offload.unified_memory``): the option's memory plan on a device that
+pages what does not fit its own memory (:mod:`meshpar.plan.unified`): its device bytes are at
+most the device's, the rest is "migrated", and its page faults' stall adds to the step.
+
 **What is left out**, equal for every option unless said: the config's own collectives (from
 the compiled HLO, :mod:`meshpar.plan.timing`; remat's recomputed forward repeats a tensor-
 parallel layout's collectives, not counted), the optimizer update's own compute, elementwise
@@ -54,7 +58,7 @@ from meshpar import config as config_lib
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
 from meshpar.plan import cost as cost_lib
-from meshpar.plan import memory, offload_plan, timing
+from meshpar.plan import memory, offload_plan, timing, unified
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Option:
     label: str
     overrides: tuple[str, ...]
     frees: str = ""  # what it frees: "state" (parameters, optimizer), "activations" or "both"
+    kind: str = "none"  # none, swap (an offload setting), unified, remat, microbatches or fsdp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +87,44 @@ class Cost:
     # (meshpar.plan.timing: collectives and feed included) plus what this option adds in this
     # model; 0 when no reference was given.
     predicted_s: float = 0.0
+    # Unified memory (meshpar.plan.unified): bytes beyond the device's memory, paged to host
+    # memory and back each step (in host_bytes too; device_bytes is what stays on the device),
+    # and the page faults per step.
+    migrated_bytes: int = 0
+    faults: int = 0
+    unified_bytes: int = 0  # what the oversubscribed allocator may hand out (usable); 0: no unified memory
+    migration: object = dataclasses.field(default=None, repr=False, compare=False)  # unified.Migration
+    layer: Layer | None = None  # one layer's figures: the study's single-layer view
 
     @property
     def exposed_s(self) -> float:
         """What the transfers add to the compute."""
         return self.step_s - self.compute_s
+
+    def fits(self, usable: int) -> bool:
+        """Whether it runs on a device of `usable` bytes: its device bytes fit, or under unified
+        memory all it needs fits the oversubscribed allocator."""
+        if self.unified_bytes:
+            return self.device_bytes + self.migrated_bytes <= self.unified_bytes
+        return self.device_bytes <= usable
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer of the layer loop under an option, per device and step (its microbatches
+    summed): what it holds on the device while its backward runs (its weights in the compute
+    layout, its residuals, its gradient), what of it moves to and from host memory (offloaded
+    residuals, swapped weights and gradient; under unified memory the bytes its passes page in
+    and out), and its forward and backward time, transfers included as the step pays them.
+    Under unified memory the layer is the one that pages most (`index`), else any (all are
+    alike)."""
+
+    index: int
+    device_bytes: int
+    host_bytes: int
+    forward_s: float
+    backward_s: float
+    migrated_bytes: int = 0
 
 
 def host_bandwidth(topo, devices: int) -> float:
@@ -99,6 +137,14 @@ def host_bandwidth(topo, devices: int) -> float:
             if sharing:
                 bandwidth = min(bandwidth, topo.uplink.bandwidth / sharing)
     return bandwidth
+
+
+def paging(blocks: unified.Blocks, need: int, capacity: cost_lib.Capacity, topo, devices: int):
+    """Unified memory's steady-state migration of a step of `blocks` needing `need` bytes on a
+    device of `capacity` (its own memory: ``device_usable_bytes``) of `topo`, `devices` of them
+    transferring at once, and the seconds its faults stall the step (:mod:`meshpar.plan.unified`)."""
+    moved = unified.migration(blocks, capacity.device_usable_bytes, topo.page_bytes, need)
+    return moved, moved.stall_s(host_bandwidth(topo, devices), topo.fault_s)
 
 
 def _recompute(cfg: Config, prof: offload_plan.Profile) -> float:
@@ -196,8 +242,32 @@ def price(prepared: Prepared, topo, overlap: bool = True) -> Cost:
     # offload), the new state back.
     back = plan.host.get("optimizer", 0) + plan.host.get("params", 0)
     update_s = host(back + plan.host.get("grads", 0), back)
-    return Cost(option, plan.total, plan.host_total, compute_s, host_s + update_s, device_s, update_s,
-                k * per_micro + update_s)  # fmt: skip
+    blocks = unified.blocks(plan.categories, prof.layers, w.layer, plan.residual_split, k)
+    one = [k * (max(c, h, d) if overlap else c + h + d) for c, h, d in passes]  # a layer inside the loop
+    layer = Layer(
+        0, w.layer_compute + blocks.per_layer + blocks.layer_grads,
+        offloaded + 2 * weights_in, one[0], one[1],
+    )  # fmt: skip
+    out = Cost(option, plan.total, plan.host_total, compute_s, host_s + update_s, device_s, update_s,
+               k * per_micro + update_s, layer=layer)  # fmt: skip
+    if cost_lib.oversubscription(cfg) is None:
+        return out
+    # Unified memory: what does not fit the device's own memory pages in and out on demand.
+    capacity = cost_lib.machine_capacity(cfg, topo)
+    moved, stall = paging(blocks, plan.total, capacity, topo, step.mesh.size)
+    worst = max(range(layers), key=lambda i: sum(p.bytes_in + p.bytes_out for p in moved.layer(i)))
+    forward, backward = moved.layer(worst)
+    paged = sum(p.bytes_in + p.bytes_out for p in (forward, backward))
+    layer = dataclasses.replace(
+        layer, index=worst, host_bytes=layer.host_bytes + paged, migrated_bytes=paged,
+        forward_s=layer.forward_s + moved.stall_s(bw, topo.fault_s, [forward]),
+        backward_s=layer.backward_s + moved.stall_s(bw, topo.fault_s, [backward]),
+    )  # fmt: skip
+    return dataclasses.replace(
+        out, device_bytes=moved.device_bytes, host_bytes=out.host_bytes + moved.migrated_bytes,
+        host_s=out.host_s + stall, step_s=out.step_s + stall, migrated_bytes=moved.migrated_bytes,
+        faults=moved.faults, unified_bytes=capacity.usable_bytes, migration=moved, layer=layer,
+    )  # fmt: skip
 
 
 # Offload settings compared: (label, optimizer, params, activations). The combinations are
@@ -212,33 +282,64 @@ SETTINGS = (
     ("offload.optimizer + activations=dots", True, False, "dots"),
     ("offload all (optimizer, params, dots)", True, True, "dots"),
 )
-NO_OFFLOAD = ("offload.optimizer=false", "offload.params=false", "offload.activations=none")
+NO_OFFLOAD = ("offload.optimizer=false", "offload.params=false", "offload.activations=none",
+              "offload.unified_memory=false", f"offload.oversubscription={config_lib.OffloadConfig.oversubscription:g}")  # fmt: skip
+
+
+def without_unified(cfg: Config) -> Config:
+    """`cfg` without unified memory (its other settings as they are)."""
+    off = dataclasses.replace(cfg.offload, unified_memory=False, oversubscription=config_lib.OffloadConfig.oversubscription)
+    return dataclasses.replace(cfg, offload=off)
+
+
+def unified_overrides(cfg: Config) -> tuple[str, ...]:
+    """The overrides that run `cfg` under unified memory at its oversubscription (the default's
+    when it has none)."""
+    return ("offload.unified_memory=true", f"offload.oversubscription={cfg.offload.oversubscription:g}")
 
 
 def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None = None) -> list[Option]:
     """Each offload setting (:data:`SETTINGS`; the first, no offload, is the base the others
-    are compared with), then the other ways of freeing memory — ``model.remat``, microbatches
-    ×2 and ×4, FSDP ``param_layout`` (the model family's FSDP dims over the batch axes, as the
-    pre-flight adds them: :func:`meshpar.plan.candidates.fsdp_param_layout`) — each on the
-    config without offload. The config's own offload setting is marked "(as configured)".
-    FSDP that no dim of the model can take is recorded in `skipped`, with why."""
+    are compared with), each without unified memory; unified memory alone and with the state
+    swapped (the config's own offload setting instead, when it has unified memory and one);
+    then the other ways of freeing memory — ``model.remat``, microbatches ×2 and ×4, FSDP
+    ``param_layout`` (the model family's FSDP dims over the batch axes, as the pre-flight adds
+    them: :func:`meshpar.plan.candidates.fsdp_param_layout`) — each on the config without
+    offload. The config's own setting is marked "(as configured)". FSDP that no dim of the
+    model can take is recorded in `skipped`, with why."""
     off = cfg.offload
     own = (off.optimizer, off.params, off.activations)
+    unified_on = off.unified_memory
     out = []
     for label, optimizer, params, activations in SETTINGS:
         overrides = (f"offload.optimizer={str(optimizer).lower()}", f"offload.params={str(params).lower()}",
-                     f"offload.activations={activations}")  # fmt: skip
+                     f"offload.activations={activations}", *NO_OFFLOAD[3:])  # fmt: skip
         frees = {(False, False): "", (True, False): "state", (False, True): "activations"}.get(
             (optimizer or params, activations != "none"), "both"
         )
-        mark = " (as configured)" if (optimizer, params, activations) == own else ""
-        out.append(Option(label + mark, overrides, frees))
+        mark = " (as configured)" if (optimizer, params, activations) == own and not unified_on else ""
+        out.append(Option(label + mark, overrides, frees, "none" if not (optimizer or params or activations != "none") else "swap"))
+    # Unified memory alone, and with the config's own offload setting when it has both.
+    um = unified_overrides(cfg)
+    label = f"unified memory {cfg.offload.oversubscription:g}x"
+    alone = not any(own[:2]) and own[2] == "none"
+    out.append(Option(label + (" (as configured)" if unified_on and alone else ""), (*NO_OFFLOAD[:3], *um), "both", "unified"))
+    # Composed with swapping the state (the configuration's own swap setting when it has one):
+    # the state leaves the device, unified memory pages what still does not fit.
+    state = (True, True, "none")
+    for flags in [own] if unified_on and not alone else [state]:
+        own_label = next((lbl for lbl, *f in SETTINGS if tuple(f) == flags), None) or (
+            f"offload.optimizer={str(flags[0]).lower()}, params={str(flags[1]).lower()}, activations={flags[2]}")
+        mark = " (as configured)" if unified_on and flags == own else ""
+        out.append(Option(f"{label} + {own_label}{mark}", (
+            f"offload.optimizer={str(flags[0]).lower()}", f"offload.params={str(flags[1]).lower()}",
+            f"offload.activations={flags[2]}", *um), "both", "unified"))  # fmt: skip
     remat = getattr(cfg.model, "remat", None)
-    out += [Option(f"model.remat={r}", (*NO_OFFLOAD, f"model.remat={r}"), "activations")
+    out += [Option(f"model.remat={r}", (*NO_OFFLOAD, f"model.remat={r}"), "activations", "remat")
             for r in ("full", "dots") if remat not in (None, r)]  # fmt: skip
     k = cfg.train.microbatches
-    out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations")
-            for f in (2, 4)]  # fmt: skip
+    out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations",
+                   "microbatches") for f in (2, 4)]  # fmt: skip
     sizes = dict(step.mesh.shape)
     axes = tuple(a for a in cost_lib.batch_axes(cfg.layout) if a in sizes)
     params = candidates_lib.param_dims(step.plan.abstract.params)
@@ -248,11 +349,12 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
         if skipped is not None:
             skipped.append(Skipped("param_layout", (), str(e).removeprefix(f"{e.key}: ")))
     else:
-        out.append(Option(f"param_layout={rules}", (*NO_OFFLOAD, f"param_layout={rules}"), "state"))
+        out.append(Option(f"param_layout={rules}", (*NO_OFFLOAD, f"param_layout={rules}"), "state", "fsdp"))
     return out
 
 
-def _apply(cfg: Config, overrides) -> Config:
+def applied(cfg: Config, overrides) -> Config:
+    """`cfg` with `overrides` (``section.key=value``) applied and checked."""
     return config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(cfg), list(overrides)))
 
 
@@ -268,7 +370,7 @@ def prepare_all(
     out = []
     for option in options(cfg, step, skipped):
         try:
-            new = _apply(cfg, option.overrides)
+            new = applied(cfg, option.overrides)
             config_lib.check_batch_size(new, dict(step.mesh.shape))
             out.append(prepare(new, parts.abstract_step(new, step.mesh, step.element_spec), option))
         except candidates_lib.ILLEGAL as e:
@@ -280,9 +382,12 @@ def prepare_all(
 def priced(prepared: list[Prepared], topo, overlap: bool = True, reference_s: float = 0.0) -> list[Cost]:
     """Each prepared option (:func:`prepare_all`) priced on `topo`; `reference_s`: the config's
     predicted step (:func:`reference`), the base of ``predicted_s``."""
-    out = [price(p, topo, overlap) for p in prepared]
+    # Unified memory needs a CUDA GPU: not priced on a machine of simulated CPU devices.
+    out = [price(p, topo, overlap) for p in prepared if p.option.kind != "unified" or topo.device_link.kind != "memcpy"]
     if not out:
         return []
+    if not reference_s:  # model figures alone: step_s is each option's figure
+        return out
     # The reference is the config's compiled step, whose HLO holds no host transfers (XLA:CPU
     # drops them), so it stands for the step without offload: the first option.
     return [dataclasses.replace(c, predicted_s=reference_s + c.step_s - out[0].step_s) for c in out]
@@ -310,16 +415,21 @@ def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
 
 
 def sweep(
-    cfg: Config, topo, batch_sizes, overlap: bool = True, with_reference: bool = True, mesh=None
+    cfg: Config, topo, batch_sizes, overlap: bool = True, with_reference: bool = True, mesh=None,
+    skipped: list | None = None,
 ) -> list[tuple[int, list[Cost]]]:
     """:func:`compare` at each global batch size; `with_reference`: each with the config's step
     at that size compiled and predicted (:func:`reference`), else model figures only. `mesh`:
-    the config's mesh built already (a compile target's), else this host's."""
+    the config's mesh built already (a compile target's), else this host's. `skipped` receives
+    the options left out (once each, with the batch size where that depends on it)."""
     out = []
     for b in batch_sizes:
-        sized = _apply(cfg, [f"train.batch_size={b}"])
+        sized = applied(cfg, [f"train.batch_size={b}"])
         step = parts.abstract_step(sized, mesh)
-        out.append((b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0)))
+        left: list[Skipped] = []
+        out.append((b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0, left)))
+        if skipped is not None:
+            skipped += [s for s in left if str(s) not in map(str, skipped)]
     return out
 
 

@@ -49,10 +49,11 @@ def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> cost.Capacity:
     """The usable capacity every process plans with: the smallest of all processes'."""
     own = cost.device_capacity(cfg, mesh)
     smallest = _agree(
-        "capacity", [own.bytes, own.source, own.headroom_bytes], lambda vs: min(vs, key=lambda v: v[0] - v[2])
-    )
+        "capacity", [own.bytes, own.source, own.headroom_bytes, own.device_bytes],
+        lambda vs: min(vs, key=lambda v: v[0] - v[2]),
+    )  # fmt: skip
     if smallest[0] - smallest[2] < own.usable_bytes:
-        return cost.Capacity(smallest[0], f"{smallest[1]} (the smallest of the processes)", smallest[2])
+        return cost.Capacity(smallest[0], f"{smallest[1]} (the smallest of the processes)", smallest[2], smallest[3])
     return own
 
 

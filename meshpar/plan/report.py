@@ -73,8 +73,16 @@ class Report:
     def fits(self) -> bool:
         return self.needed_bytes <= self.capacity.usable_bytes
 
+    @property
+    def migrated_bytes(self) -> int:
+        """Under unified memory, the needed bytes beyond the device's own memory (0 otherwise)."""
+        return self.capacity.migrated(self.needed_bytes)
+
     def verdict(self) -> str:
         need, have = self.needed_bytes, self.capacity.usable_bytes
+        if self.fits and self.migrated_bytes:
+            return (f"fits with unified memory: needs {fmt_bytes(need)} per device of {fmt_bytes(have)} usable, "
+                    f"{fmt_bytes(self.migrated_bytes)} of it migrated to host memory")  # fmt: skip
         if self.fits:
             return f"fits: needs {fmt_bytes(need)} per device of {fmt_bytes(have)} usable ({fmt_bytes(have - need)} to spare)"
         return f"does not fit: needs {fmt_bytes(need)} per device, {fmt_bytes(need - have)} more than the {fmt_bytes(have)} usable"
@@ -93,7 +101,10 @@ class Report:
             "capacity": {
                 "bytes": self.capacity.bytes, "source": self.capacity.source,
                 "headroom_bytes": self.capacity.headroom_bytes, "usable_bytes": self.capacity.usable_bytes,
+                "device_bytes": self.capacity.device_bytes or self.capacity.bytes,
+                "device_usable_bytes": self.capacity.device_usable_bytes,
             },
+            "migrated_bytes": self.migrated_bytes,
             "programs": [
                 {"program": p.program, "xla": dict(p.xla), "resident": dict(p.resident), "peak_bytes": p.bytes}
                 for p in self.programs
@@ -195,6 +206,11 @@ def table(report: Report):
     t.add_row("capacity", fmt_bytes(c.bytes), "", "", "", "")
     t.add_row("− headroom", fmt_bytes(c.headroom_bytes), "", "", "", "")
     t.add_row("usable", fmt_bytes(c.usable_bytes), "", "", "", "", style="bold")
+    if c.device_bytes:  # unified memory: the capacity oversubscribes the device
+        t.add_row("  of it on the device", fmt_bytes(c.device_usable_bytes), "", "the device's own memory less headroom",
+                  "", "")  # fmt: skip
+        t.add_row("migrated (unified memory)", fmt_bytes(report.migrated_bytes), "", "needed beyond the device: paged to "
+                  "host memory and back each step", "", "", style="bold")  # fmt: skip
     return t
 
 

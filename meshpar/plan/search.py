@@ -32,7 +32,10 @@ have two dims on one axis. What fails is dropped, counted by the config key it f
 **Fitting.** The analytic memory plan (:func:`meshpar.plan.memory.analytic`) against the
 usable bytes of one device of the machine (:func:`meshpar.plan.cost.machine_capacity`: on
 ``cpu-sim`` the capacity a run would check; on another machine its memory × XLA's allocator
-fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either).
+fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either). Under
+``offload.unified_memory`` the capacity is oversubscribed, and a layout that needs more than
+the device's own memory pays for its paging in its estimate (``paging_s``,
+:func:`meshpar.plan.offload_cost.paging`), compiled or not.
 
 **Ranked analytically** (nothing compiled), per device, :class:`Estimate`:
 
@@ -93,7 +96,7 @@ from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
 from meshpar import models
-from meshpar.plan import candidates, cost, gpu_target, memory, stages, timing
+from meshpar.plan import candidates, cost, gpu_target, memory, offload_cost, offload_plan, stages, timing, unified
 from meshpar.plan.report import fmt_bytes
 
 MODEL_AXIS = candidates.MODEL_AXIS
@@ -222,6 +225,7 @@ class Estimate:
     feed_s: float
     exposed_feed_s: float
     pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.stages)
+    paging_s: float = 0.0  # unified memory: what its page faults stall (meshpar.plan.unified)
 
     @property
     def collective_s(self) -> float:
@@ -229,7 +233,7 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s
+        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s
 
 
 def _axes_of(spec) -> set[str]:
@@ -298,6 +302,14 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
     return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s)
 
 
+def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
+    """Seconds unified memory's page faults add to `cfg`'s step on `topo` (:func:`meshpar.plan.offload_cost.paging`)."""
+    w = offload_plan.weights(step.plan, step.layout, step.mesh)
+    layers = pipeline.stack_layers(cfg.model) or 1
+    blocks = unified.blocks(breakdown.categories, layers, w.layer, breakdown.residual_split, cfg.train.microbatches)
+    return offload_cost.paging(blocks, breakdown.total, cap, topo, step.mesh.size)[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # The search
 
@@ -321,8 +333,11 @@ class Row:
 
     @property
     def step_s(self) -> float:
-        """The predicted step time: the HLO model's where compiled, else the estimate."""
-        return self.predicted.total_s if self.predicted is not None else self.estimate.total_s
+        """The predicted step time: the HLO model's where compiled (with unified memory's paging,
+        which no HLO holds), else the estimate."""
+        if self.predicted is not None:
+            return self.predicted.total_s + self.estimate.paging_s
+        return self.estimate.total_s
 
     @property
     def overrides(self) -> list[str]:
@@ -442,6 +457,8 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         cap = cap or cost.machine_capacity(cfg, topo, mesh)
         fits = breakdown.total <= cap.usable_bytes
         est = estimate(new, option, step, breakdown, topo, dims)
+        if cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
+            est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, topo, cap))
         own = _is_own(cfg, option, new, own_mesh)
         row = Row(option, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout))
         rows.append(row)

@@ -24,14 +24,16 @@ def table(result, title: str):
     tie = f"; tie: within {search_lib.TIE:.0%} of the fastest prediction, fewest collective bytes first"
     caption = search_lib.summary(result) + (tie if len(tied) > 1 else "") + own
     t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    paging = any(r.estimate.paging_s for r in result.rows)  # unified memory: the pages' stall, a column of its own
     for name in ("#", "mesh", "layout", "param_layout", "step", "by", "compute", "collectives", "feed exposed",
-                 "estimate", "memory/device", "fits"):  # fmt: skip
+                 *(("paging",) if paging else ()), "estimate", "memory/device", "fits"):  # fmt: skip
         t.add_column(name, justify="left" if name in ("mesh", "layout", "param_layout", "by") else "right")
     for i, r in enumerate(result.rows):
         e, p = r.estimate, r.predicted
         terms = (p.compute_s, p.collective_s, p.exposed_feed_s) if p else (
             e.compute_s + e.memory_s, e.collective_s, e.exposed_feed_s
         )
+        terms += (e.paging_s,) if paging else ()
         memory_text = fmt_bytes(r.memory_bytes) + (f" (XLA {fmt_bytes(r.xla_bytes)})" if r.xla_bytes else "")
         layout_text = (r.cfg.layout_str or "(replicated)") + (" *" if r.own else "")
         t.add_row(

@@ -171,7 +171,7 @@ def offload_table(costs, topology, bandwidth: float, usable: int, overlap: bool 
         t.add_row(
             c.option.label, fmt_bytes(c.device_bytes), fmt_bytes(c.host_bytes), _freed(c, base) if c is not base else "",
             fmt_seconds(c.compute_s), fmt_seconds(c.host_s), fmt_seconds(max(c.step_s - base.step_s, 0.0)),
-            fmt_seconds(c.predicted_s or c.step_s), _step(c, base), "yes" if c.device_bytes <= usable else "no",
+            fmt_seconds(c.predicted_s or c.step_s), _step(c, base), "yes" if c.fits(usable) else "no",
         )  # fmt: skip
     return t
 
@@ -210,7 +210,7 @@ def offload_sweep_table(rows, topology, bandwidth: float, usable: int, overlap: 
     for frees, what in ((None, "any"), ("activations", "of activations"), ("state", "of parameters/optimizer state")):
         best = [offload_cost.cheapest(costs, frees) for _, costs in rows]
         t.add_row(f"cheapest per byte freed, {what}", *[c.option.label if c else "none" for c in best], style="bold")
-    fastest = [min((c for c in costs if c.device_bytes <= usable), key=lambda c: c.predicted_s or c.step_s, default=None)
+    fastest = [min((c for c in costs if c.fits(usable)), key=lambda c: c.predicted_s or c.step_s, default=None)
                for _, costs in rows]  # fmt: skip
     labels = [c.option.label if c else "none" for c in fastest]
     t.add_row(f"fastest that fits {fmt_bytes(usable)}", *labels, style="bold")

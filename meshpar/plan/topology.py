@@ -37,6 +37,13 @@ GIB = 1 << 30
 # through host memory (no peer-to-peer: every copy crosses both devices' PCIe links); between
 # hosts, the network (``node_link``).
 LINK_KINDS = ("nvlink", "pcie", "host", "memcpy", "network")
+# Unified Memory's defaults, for a topology file that does not say (``unified_memory:
+# {page_mib, fault_us}``): the CUDA driver migrates 2 MiB pages on x86 hosts (its large-page
+# size), and servicing one fault (the GPU's fault buffer read by the driver, the page unmapped
+# and mapped again) costs tens of microseconds in published measurements of the UVM driver
+# (20-50 µs per batch of faults): an estimate until a device check measures it.
+UM_PAGE_BYTES = 2 << 20
+UM_FAULT_S = 30e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +143,10 @@ class Topology:
     hosts: int = 1  # machines (processes) the devices are spread over, num_devices / hosts each
     node_link: Link | None = None  # one device's share of the network between hosts (hosts > 1)
     gpu: GpuSpec | None = None  # an NVIDIA GPU's compile target (None: not a GPU, e.g. cpu-sim)
+    # CUDA Unified Memory's paging (meshpar.plan.unified): the page the driver migrates on a
+    # fault, and what servicing one fault costs beyond moving its bytes.
+    page_bytes: int = UM_PAGE_BYTES
+    fault_s: float = UM_FAULT_S
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of one device for matmuls in `dtype`. ``float32`` is what XLA runs a float32
@@ -251,7 +262,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}: expected a mapping")
     known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
              "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
-             "placement_overhead_us", "hosts", "node_link", "gpu"}  # fmt: skip
+             "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
@@ -274,6 +285,14 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}.placement_overhead_us: expected a mapping with direct and routed")
     if fanout not in ("shared", "parallel"):
         raise ConfigError(KEY, f"{where}.relay_fanout: expected shared or parallel, got {fanout!r}")
+    um = spec.get("unified_memory") or {}
+    if not isinstance(um, dict) or set(um) - {"page_mib", "fault_us"}:
+        raise ConfigError(KEY, f"{where}.unified_memory: expected a mapping with page_mib and fault_us")
+    page = _positive(um, "page_mib", f"{where}.unified_memory") * (1 << 20) if "page_mib" in um else UM_PAGE_BYTES
+    fault = um.get("fault_us", UM_FAULT_S * 1e6)
+    if not isinstance(fault, (int, float)) or isinstance(fault, bool) or not 0 <= fault < math.inf:
+        raise ConfigError(KEY, f"{where}.unified_memory.fault_us: expected a number >= 0, got {fault!r}")
+    fault = float(fault) * 1e-6
     return Topology(
         name=str(spec.get("name", where)), description=str(spec.get("description", "")), num_devices=n,
         peak_flops={k: _positive(peaks, k, f"{where}.peak_tflops") * 1e12 for k in peaks},
@@ -287,6 +306,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         node_link=_link(spec["node_link"], f"{where}.node_link") if hosts > 1 else None,
         gpu=None if spec.get("gpu") is None else gpu_spec(spec["gpu"], f"{where}.gpu"),
         placement_overhead=tuple(float(overhead.get(m, 0.0)) * 1e-6 for m in ("direct", "routed")),
+        page_bytes=int(page), fault_s=fault,
     )  # fmt: skip
 
 
