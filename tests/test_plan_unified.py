@@ -73,10 +73,10 @@ def test_bigger_batches_on_one_device_migrate_more_and_cost_more():
     um = [next(c for c in costs if c.option.kind == "unified") for _, costs in rows]
     assert [c.migrated_bytes for c in um] == sorted(c.migrated_bytes for c in um) and um[0].migrated_bytes > 0
     assert um[0].step_s < um[1].step_s < um[2].step_s
-    # Per example the paging grows too: the time added is more than the batch's growth.
+    # What paging adds to the step (beyond the same step without it) grows with the batch too.
     none = [costs[0] for _, costs in rows]
     added = [u.step_s - n.step_s for u, n in zip(um, none)]
-    assert added[2] / added[0] > 1.0
+    assert 0 < added[0] < added[1] < added[2]
 
 
 def test_a_faster_host_link_or_cheaper_faults_make_the_paged_step_faster(prepared):
@@ -87,8 +87,6 @@ def test_a_faster_host_link_or_cheaper_faults_make_the_paged_step_faster(prepare
     assert fast.step_s < slow.step_s and fast.host_s < slow.host_s
     free_faults = offload_cost.price(prepared, _machine(device, fault_s=0.0))
     assert free_faults.step_s < slow.step_s
-    # A faster link shortens swapping's transfers as well; paging stays exposed, swapping hides
-    # behind compute: the paged step gains at least as much as the swapped one.
 
 
 def test_the_paging_model_moves_what_the_step_touches_in_order():
@@ -206,3 +204,22 @@ def test_the_search_charges_paging_to_layouts_beyond_the_device():
     # More to page, more paging: the estimate's stall grows with the bytes beyond the device.
     by_need = sorted(paged, key=lambda r: r.memory_bytes)
     assert by_need[0].estimate.paging_s < by_need[-1].estimate.paging_s
+
+
+def test_a_topology_may_state_its_paging_and_a_bad_figure_is_named():
+    spec = topology.yaml.safe_load((topology.DIR / "h100-sxm-8.yaml").read_text())
+    topo = topology.from_dict({**spec, "unified_memory": {"page_mib": 0.0625, "fault_us": 5}})
+    assert topo.page_bytes == 64 << 10 and topo.fault_s == pytest.approx(5e-6)
+    prepared_cfg = config.load(QUICKSTART, list(UM))
+    step = parts.abstract_step(prepared_cfg)
+    option = next(o for o in offload_cost.options(prepared_cfg, step) if o.kind == "unified")
+    small = dataclasses.replace(topo, memory_bytes=12 * MIB)
+    fine = offload_cost.price(offload_cost.prepare(prepared_cfg, step, option), small)
+    coarse = offload_cost.price(
+        offload_cost.prepare(prepared_cfg, step, option), dataclasses.replace(small, page_bytes=2 << 20)
+    )
+    assert fine.faults > coarse.faults > 0  # smaller pages: more faults for the same bytes
+    with pytest.raises(ConfigError, match="unified_memory.fault_us"):
+        topology.from_dict({**spec, "unified_memory": {"fault_us": "slow"}})
+    with pytest.raises(ConfigError, match="unified_memory: expected a mapping"):
+        topology.from_dict({**spec, "unified_memory": {"faults": 1}})

@@ -184,11 +184,12 @@ def capacity_from(
                                                     "one with --topology NAME (e.g. h100-sxm-8)")  # fmt: skip
     limits = [int(s["bytes_limit"]) for s in memory_stats if s and s.get("bytes_limit")]
     backend = None
-    fraction = allocator_fraction(oversubscription=oversubscription)
     if limits and len(limits) == len(memory_stats):
         backend = min(limits)  # the smallest device bounds every device of the layout
+        fraction = allocator_fraction(oversubscription=oversubscription)
         backend_source = f"{platform} bytes_limit (XLA's allocator; preallocated fraction {fraction[1]})"
     if oversubscription is not None:  # the device's own memory × the fraction in effect
+        fraction = allocator_fraction(oversubscription=oversubscription)
         if backend is not None and memory_gib <= 0:
             return capacity(int(backend / fraction[0]), backend_source, fraction[0])
         if memory_gib > 0:

@@ -58,8 +58,8 @@ def compare(cfg: Config, topo, batch_sizes, mesh=None, with_reference: bool = Tr
         skipped.append(f"unified memory: needs a CUDA GPU, and {topo.name} has none")
         over, device = 1.0, capacity.usable_bytes
     else:
-        um = cost_lib.machine_capacity(unified_cfg, topo)
-        over, device = um.bytes / max(um.device_bytes, 1), um.device_usable_bytes
+        over = cost_lib.allocator_fraction(oversubscription=unified_cfg.offload.oversubscription)[0]
+        device = cost_lib.machine_capacity(unified_cfg, topo).device_usable_bytes
     sweep = offload_cost.sweep(cfg, topo, batch_sizes, overlap, with_reference, mesh=mesh, skipped=skipped)
     return Comparison(topo, sweep, capacity.usable_bytes, device, over,
                       offload_cost.host_bandwidth(topo, _devices(cfg, mesh)), tuple(skipped))  # fmt: skip
