@@ -25,7 +25,9 @@ compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call thes
   every last byte is not called a fit. A fraction, not a fixed amount, because fragmentation
   grows with the size of the buffers, from a 1 GiB CPU share to a 141 GB GPU.
 
-**Collectives** (:func:`collective_seconds`): a ring on n devices sends ``bytes × factor`` per
+**Collectives** (:func:`collective_seconds`): on a link with a measured NCCL curve
+(``allreduce_us`` in its topology file), from that curve (:mod:`meshpar.plan.kernels`); else a
+ring on n devices sends ``bytes × factor`` per
 device over the link of the mesh axes it spans in ``steps`` sequential steps — all-reduce
 2(n−1)/n over 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n over n−1,
 collective-permute 1 over 1 — so its time is ``bytes × factor / bandwidth + latency × steps``.
@@ -266,10 +268,14 @@ def axis_link(topo, mesh_shape: Mapping[str, int], axes):
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, link, executions: int = 1) -> float:
-    """Seconds of `executions` ring collectives of `kind` moving `nbytes` per device each over
-    `n` devices on `link` (see the module docstring)."""
+    """Seconds of `executions` collectives of `kind` moving `nbytes` per device each over `n`
+    devices on `link`: from the link's measured NCCL curve where its file gives one
+    (:class:`meshpar.plan.kernels.Curve`), else as a ring (see the module docstring)."""
     if n <= 1:
         return 0.0
+    curve = getattr(link, "curve", None)
+    if curve is not None:
+        return executions * curve.seconds_of(kind, nbytes, n)
     factor, steps = ring(kind, n)
     return executions * (nbytes * factor / link.bandwidth + link.latency * steps)
 

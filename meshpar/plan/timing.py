@@ -83,7 +83,7 @@ import re
 import numpy as np
 
 from meshpar import throughput
-from meshpar.plan import cost, hlo
+from meshpar.plan import cost, hlo, kernels
 
 KINDS = hlo.COLLECTIVES
 
@@ -108,11 +108,18 @@ class StepTime:
     collective_s: float
     feed_s: float  # placement time of one batch (from feed_time), 0 if not asked
     exposed_feed_s: float  # the part not hidden behind compute (prefetch >= 1 overlaps)
-    total_s: float  # compute + collectives + exposed feed
+    total_s: float  # compute + collectives - hidden_s + exposed feed
     # The compute term's two bounds, summed over the ops alone (compute_s is per op the larger):
     flops_s: float = 0.0  # the ops' FLOPs at peak × efficiency
     bytes: float = 0.0  # per device, bytes the ops read and write in device memory (loops multiplied)
     memory_s: float = 0.0  # those bytes at the device's memory rates (see `memory`)
+    # Collective time hidden behind compute XLA scheduled beside it (total = compute +
+    # collectives - hidden + exposed feed), the kernels the step launches, what their fixed
+    # cost adds, and one line saying what the figures rest on.
+    hidden_s: float = 0.0
+    kernels: int = 0
+    launch_s: float = 0.0
+    basis: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +484,154 @@ def memory(topology, num_devices: int) -> _Memory:
     return _Memory(share, 2 * share, host_cache_bytes(), max(num_devices, 1))
 
 
+# ---------------------------------------------------------------------------------------------
+# The schedule: compute and collectives on their own streams
+
+
+@dataclasses.dataclass
+class _Span:
+    """One run of a computation: its wall time on the two streams, and what it is made of."""
+
+    seconds: float = 0.0  # until its last op (compute or collective) is done
+    compute_s: float = 0.0  # its compute ops, one after another
+    collective_s: float = 0.0  # its collectives, each priced alone
+    kernels: int = 0  # kernels launched (fusions, library calls, copies…)
+
+    def add(self, other: _Span, times: int = 1) -> None:
+        self.compute_s += times * other.compute_s
+        self.collective_s += times * other.collective_s
+        self.kernels += times * other.kernels
+
+
+class _Pricer:
+    """Prices a parsed program on a machine: every op by `op_seconds`, every collective by
+    `collective_seconds`, run as XLA scheduled them (see :func:`_run`)."""
+
+    def __init__(self, module: hlo.Module, mesh_shape: dict[str, int], op_seconds, collective_seconds):
+        self.module, self.mesh_shape = module, mesh_shape
+        self.op_seconds, self.collective_seconds = op_seconds, collective_seconds
+        self.flops_of = hlo.flops_of(module)
+        self.memo: dict[str, _Span] = {}
+
+    def run(self, computation: str) -> _Span:
+        """One run of `computation` (memoised): its ops in the order of the scheduled text, on two
+        streams. A compute op runs on the compute stream after the one before it. An async
+        collective (``X-start`` … ``X-done``) starts when it is issued and the collective
+        stream is free, and its ``-done`` waits for it: compute XLA placed between the two hides
+        it, up to that compute. A synchronous collective waits for both streams and holds both.
+        A loop, call or conditional runs its bodies (a loop: its trip count times) on the
+        compute stream."""
+        if computation in self.memo:
+            return self.memo[computation]
+        span, compute_t, link_t, pending = _Span(), 0.0, 0.0, {}
+        for op in self.module.computations.get(computation, []):
+            code = op.opcode
+            if code in _FREE or code.endswith("-update"):
+                continue
+            if code.endswith("-done"):
+                started = pending.pop(op.operands[0], None) if op.operands else None
+                if started is not None:
+                    compute_t = max(compute_t, started)
+                continue
+            kind = _kind(code)
+            if kind or (code == "async-start" and self._wrapped_collective(op)):
+                found = _found(self.module, computation, self._collective_op(op), 1, self.mesh_shape)
+                seconds = self.collective_seconds(found) if found else 0.0
+                span.collective_s += seconds
+                begin = max(compute_t, link_t)
+                link_t = begin + seconds
+                if code.endswith("-start"):
+                    pending[op.name] = link_t
+                else:
+                    compute_t = link_t
+                continue
+            if code in ("while", "call", "conditional", "async-start"):
+                inner = _Span()
+                runs = [self.run(c) for c in hlo.called(op)]
+                if code == "conditional":
+                    runs = [max(runs, key=lambda r: r.seconds)] if runs else []
+                times = hlo.trip_count(self.module, op) if code == "while" else 1
+                for r in runs:
+                    inner.seconds += r.seconds
+                    inner.add(r)
+                compute_t += times * inner.seconds
+                span.add(inner, times)
+                continue
+            seconds, launches = self.op_seconds(computation, op)
+            compute_t += seconds
+            span.compute_s += seconds
+            span.kernels += launches
+        span.seconds = max(compute_t, link_t, *pending.values())
+        self.memo[computation] = span
+        return span
+
+    def _wrapped_collective(self, op: hlo.Op) -> bool:
+        inner = self._collective_op(op)
+        return inner is not op
+
+    def _collective_op(self, op: hlo.Op) -> hlo.Op:
+        """A generic ``async-start``'s wrapped collective (the op its called computation runs),
+        else the op itself."""
+        if op.opcode != "async-start":
+            return op
+        for c in hlo.called(op):
+            for inner in self.module.computations.get(c, []):
+                if _kind(inner.opcode):
+                    return dataclasses.replace(inner, operands=op.operands)
+        return op
+
+
+def _gpu_op_seconds(module: hlo.Module, topology):
+    """Seconds of one execution of a compute op on a GPU from the topology's kernel costs
+    (:mod:`meshpar.plan.kernels`), and the kernels it launches."""
+    costs, sms = topology.kernels, topology.gpu.sm_count
+    flops_of = hlo.flops_of(module)
+    bandwidth = topology.device_memory_bandwidth * costs.memory_fraction
+
+    def seconds(computation: str, op: hlo.Op) -> tuple[float, int]:
+        moving = _op_bytes(module, computation, op) / bandwidth
+        inner = hlo.unwrap(op)
+        name = hlo.target(inner)
+        gemm = kernels.gemm(module, computation, op)
+        if gemm is not None:
+            work = kernels.gemm_seconds(gemm, topology.peak(kernels.peak_dtype(gemm.dtype)), sms, costs)
+        elif name.startswith("__cudnn$fmha"):
+            q = hlo.arrays(module.operand_shape(computation, inner, 0))
+            peak = topology.peak(kernels.peak_dtype(q[0][0] if q else "bf16"))
+            flops = hlo.op_flops(module, computation, op, flops_of)
+            work = kernels.attention_seconds(flops, kernels.attention_blocks(module, computation, op), peak, sms, costs)
+        elif name.startswith("__cudnn$conv"):
+            work = hlo.op_flops(module, computation, op, flops_of) / (topology.peak("bfloat16") * costs.gemm_fraction)
+        else:  # elementwise and reductions: CUDA cores
+            work = hlo.op_flops(module, computation, op, flops_of) / topology.peak_flops.get("float32", 1.0)
+        return costs.launch_s + max(work, moving), 1
+
+    return seconds
+
+
+def _roofline_op_seconds(module: hlo.Module, flop_rate: float, rates: _Memory):
+    """Seconds of one execution of an op at the roofline of the machine's rates (cpu-sim: the
+    host's measured matmul and copy rates; no per-kernel cost)."""
+    flops_of = hlo.flops_of(module)
+
+    def seconds(computation: str, op: hlo.Op) -> tuple[float, int]:
+        flops = hlo.op_flops(module, computation, op, flops_of)
+        return max(flops / flop_rate, rates.seconds(_op_bytes(module, computation, op))), 1
+
+    return seconds
+
+
+def basis(topology) -> str:
+    """One line: what a step time predicted on `topology` rests on."""
+    if topology.kernels is None:
+        return (f"{topology.name}: each op at the roofline of {topology.source or 'its figures'}; collectives as rings "
+                "of the measured all-reduce; run in program order")  # fmt: skip
+    curve = topology.device_link.curve
+    links = f"collectives from {curve.source}" if curve else "collectives as rings of the datasheet link"
+    return (f"{topology.name}: kernels from {topology.kernels.source}; {links}; async collectives hidden behind "
+            "the compute XLA scheduled beside them")  # fmt: skip
+
+
 def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
     """Predicted time of one train step of `cfg` (`step`: its :class:`meshpar.parts.AbstractStep`,
     or anything with its ``mesh``; `compiled`: its compiled program or HLO text) on `topology`,
@@ -485,19 +640,30 @@ def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
     mesh_shape = _mesh_shape(step.mesh if hasattr(step, "mesh") else step)
     flop_rate = topology.peak(throughput.compute_dtype(cfg.model)) * topology.efficiency
     rates = memory(topology, math.prod(mesh_shape.values()))
-    compute_s, op_flops, op_bytes, memory_s = _roofline(module, flop_rate, rates)
+    _, op_flops, op_bytes, memory_s = _roofline(module, flop_rate, rates)
+    if topology.kernels is not None and topology.gpu is not None:
+        op_seconds = _gpu_op_seconds(module, topology)
+    else:
+        op_seconds = _roofline_op_seconds(module, flop_rate, rates)
+
+    def collective_seconds(f: _Found) -> float:
+        return cost.collective_seconds(f.kind, f.bytes, f.group_size, cost.axis_link(topology, mesh_shape, f.axis))
+
+    span = _Pricer(module, mesh_shape, op_seconds, collective_seconds).run(module.entry)
     merged: dict[tuple[str, str], list] = {}
     for f in _find(module, mesh_shape):
         entry = merged.setdefault((f.kind, f.axis), [0, 0.0])
         entry[0] += f.bytes * f.executions
-        link = cost.axis_link(topology, mesh_shape, f.axis)
-        entry[1] += cost.collective_seconds(f.kind, f.bytes, f.group_size, link, f.executions)
+        entry[1] += f.executions * collective_seconds(f)
     parts = tuple(Collective(kind, b, axis, sec) for (kind, axis), (b, sec) in merged.items())
     collective_s = sum(c.seconds for c in parts)
-    exposed = cost.exposed_feed_seconds(feed_s, compute_s, cfg.feed.prefetch)
+    hidden = max(span.compute_s + collective_s - span.seconds, 0.0)
+    exposed = cost.exposed_feed_seconds(feed_s, span.compute_s, cfg.feed.prefetch)
+    launch = topology.kernels.launch_s * span.kernels if topology.kernels is not None else 0.0
     return StepTime(
-        _module_flops(module), compute_s, parts, collective_s, feed_s, exposed, compute_s + collective_s + exposed,
-        flops_s=op_flops / flop_rate, bytes=op_bytes, memory_s=memory_s,
+        _module_flops(module), span.compute_s, parts, collective_s, feed_s, exposed, span.seconds + exposed,
+        flops_s=op_flops / flop_rate, bytes=op_bytes, memory_s=memory_s, hidden_s=hidden, kernels=span.kernels,
+        launch_s=launch, basis=basis(topology),
     )  # fmt: skip
 
 

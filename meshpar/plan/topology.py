@@ -26,6 +26,7 @@ import yaml
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar.config import ConfigError
 from meshpar.plan import cost
+from meshpar.plan import kernels as kernels_lib
 from meshpar.schema import parse_yaml
 
 DIR = pathlib.Path(__file__).parent / "topologies"
@@ -51,6 +52,9 @@ class Link:
     bandwidth: float  # bytes/s, one direction, effective (raw × the efficiency its file states)
     latency: float = 0.0  # s per transfer / per collective step
     kind: str = "pcie"  # one of LINK_KINDS
+    # NCCL's measured all-reduce times over this link (its file's ``allreduce_us``), which price
+    # its collectives (meshpar.plan.kernels); None: the ring model from bandwidth and latency.
+    curve: kernels_lib.Curve | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +151,10 @@ class Topology:
     # fault, and what servicing one fault costs beyond moving its bytes.
     page_bytes: int = UM_PAGE_BYTES
     fault_s: float = UM_FAULT_S
+    # A GPU's kernel costs (its file's ``kernels:``, meshpar.plan.kernels): GEMMs by shape, fused
+    # attention, memory-bound kernels, the fixed cost per kernel. None (cpu-sim): each op priced
+    # at the roofline of the measured rates.
+    kernels: kernels_lib.KernelCosts | None = None
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of one device for matmuls in `dtype`. ``float32`` is what XLA runs a float32
@@ -232,14 +240,21 @@ def load(name_or_path: str, devices: int | None = None) -> Topology:
     return from_dict(spec, path.name)
 
 
+LINK_KEYS = ("kind", "gbps", "efficiency", "latency_us", "allreduce_us")
+
+
 def _link(spec, where: str) -> Link:
     if not isinstance(spec, dict):
         raise ConfigError(KEY, f"{where}: expected a mapping with gbps, efficiency, latency_us")
+    unknown = sorted(set(spec) - set(LINK_KEYS))
+    if unknown:
+        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
     bw = _positive(spec, "gbps", where) * 1e9 * _fraction(spec, where)
     kind = spec.get("kind", "pcie")
     if kind not in LINK_KINDS:
         raise ConfigError(KEY, f"{where}.kind: {kind!r} is not one of {', '.join(LINK_KINDS)}")
-    return Link(bw, float(spec.get("latency_us", 0.0)) * 1e-6, kind)
+    curve = kernels_lib.parse_curve(spec["allreduce_us"], f"{where}.allreduce_us") if "allreduce_us" in spec else None
+    return Link(bw, float(spec.get("latency_us", 0.0)) * 1e-6, kind, curve)
 
 
 def _positive(spec: dict, key: str, where: str) -> float:
@@ -262,7 +277,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}: expected a mapping")
     known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
              "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
-             "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory"}  # fmt: skip
+             "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory", "kernels"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
@@ -293,6 +308,9 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
     if not isinstance(fault, (int, float)) or isinstance(fault, bool) or not 0 <= fault < math.inf:
         raise ConfigError(KEY, f"{where}.unified_memory.fault_us: expected a number >= 0, got {fault!r}")
     fault = float(fault) * 1e-6
+    if spec.get("gpu") is not None and spec.get("kernels") is None:
+        keys = ", ".join(kernels_lib.KERNEL_KEYS)
+        raise ConfigError(KEY, f"{where}.kernels: a GPU machine needs its kernel costs ({keys})")
     return Topology(
         name=str(spec.get("name", where)), description=str(spec.get("description", "")), num_devices=n,
         peak_flops={k: _positive(peaks, k, f"{where}.peak_tflops") * 1e12 for k in peaks},
@@ -307,6 +325,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         gpu=None if spec.get("gpu") is None else gpu_spec(spec["gpu"], f"{where}.gpu"),
         placement_overhead=tuple(float(overhead.get(m, 0.0)) * 1e-6 for m in ("direct", "routed")),
         page_bytes=int(page), fault_s=fault,
+        kernels=None if spec.get("kernels") is None else kernels_lib.parse(spec["kernels"], f"{where}.kernels"),
     )  # fmt: skip
 
 

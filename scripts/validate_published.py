@@ -1,0 +1,389 @@
+"""The step-time model against published GPU measurements: predicted vs measured, per row.
+
+    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--json out.json]
+
+Rows (``DIR``: ``$MESHPAR_PUBLISHED``, else the ``published/`` folder beside the repository's
+parent, as the development set is laid out; see its README for every source):
+
+* ``vtrain_a100_dev.csv``: Megatron-DeepSpeed GPT iterations on 2-8 A100 SXM4 (vTrain). Each row
+  becomes meshpar's ``transformer`` as Megatron's GPT (learned positions, GELU MLP of 4 × hidden,
+  tied embeddings, vocabulary 50304, dropout 0.1), bf16 compute over float32 master weights,
+  ``model.remat: full``, mesh ``data:D,stage:P,model:T``, layout ``batch:data; heads:model;
+  d_ff:model; vocab:model; layers:stage``, ``train.microbatches`` = global / (micro × D), planned
+  on ``a100-sxm-8``.
+* ``jax_h100_dev.csv``: MaxText and Paxml steps on H100 SXM: the same model, shapes, batch,
+  FSDP/DP split, remat (``dots`` for MaxText's ``minimal_flash`` and Paxml's ``SAVE_DOT_ONLY``)
+  and attention, planned on ``h100-sxm-8`` or ``h100-sxm-2x8``.
+
+Each row's train step is compiled by XLA's GPU compiler for its machine, deviceless (the
+``gpu-plan`` extra), and priced by :func:`meshpar.plan.timing.predict`; the compiled HLO is
+cached under ``--cache`` (keyed by the config, the machine, jax's version and meshpar's
+program-building sources), so a rerun after a change to the time model alone compiles nothing.
+
+Printed: per row measured and predicted; per source the MAPE, the share within 10% and the
+signed mean; per model group (same GPUs, hidden, layers, global batch; ≥ 5 rows selected) the
+Spearman rank correlation of predicted and measured, and how much slower than the group's
+fastest the predicted best measured. Exit 1 below the targets — MAPE ≤ 15% on the JAX rows and
+≤ 20% on the vTrain rows, Spearman ≥ 0.9 in every group, the predicted best within 10% of the
+fastest — 2 on bad input (a file or column missing), one line.
+
+``--sample N``: N vTrain rows drawn at random (seed ``--seed``); ``--groups N``: N whole groups
+of ≥ 5 rows drawn at random (their rows added); neither: every row. About 8 s per row to
+compile on one core, nothing once cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import random
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TARGETS = {"jax_mape": 0.15, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10}
+VTRAIN = "vtrain_a100_dev.csv"
+JAX = "jax_h100_dev.csv"
+VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
+                  "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
+                  "iteration time (ms)")  # fmt: skip
+JAX_COLUMNS = ("source", "framework", "gpus", "model", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "seq",
+               "global_batch", "precision", "dp", "fsdp", "tp", "pp", "attention", "remat", "scan", "step_s")  # fmt: skip
+GROUP_MIN = 5
+# Megatron pads GPT-2's 50257 tokens to a multiple of 128 (the published set's README).
+MEGATRON_VOCAB = 50304
+
+
+class InputError(Exception):
+    """A published-row file or folder that cannot be read as this script needs it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    source: str  # "vtrain" | "jax"
+    name: str  # one line naming the row
+    group: str  # rows of one model and batch on one machine
+    topology: str
+    config: dict  # the meshpar config (a plain mapping, as a YAML file would hold)
+    measured_s: float
+
+
+def _published_dir(arg: str | None) -> pathlib.Path:
+    if arg:
+        return pathlib.Path(arg)
+    if os.environ.get("MESHPAR_PUBLISHED"):
+        return pathlib.Path(os.environ["MESHPAR_PUBLISHED"])
+    return ROOT.parent / "shared" / "published"
+
+
+def _read(path: pathlib.Path, columns: tuple[str, ...]) -> list[dict]:
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in columns if c not in (reader.fieldnames or [])]
+            if missing:
+                raise InputError(f"{path.name}: column {missing[0]!r} is missing (expected {', '.join(columns)})")
+            rows = list(reader)
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    for i, r in enumerate(rows, 2):
+        for c in columns:
+            if r.get(c) in (None, ""):
+                raise InputError(f"{path.name}: line {i}: column {c!r} is empty")
+    return rows
+
+
+def _int(r: dict, c: str, path: str) -> int:
+    try:
+        return int(r[c])
+    except ValueError:
+        raise InputError(f"{path}: column {c!r} is {r[c]!r}, not an integer") from None
+
+
+def gpt(hidden: int, heads: int, layers: int, seq: int, vocab: int, **extra) -> dict:
+    """Megatron's GPT in meshpar's `transformer` family."""
+    return {"name": "transformer", "d_model": hidden, "n_heads": heads, "d_head": hidden // heads,
+            "d_ff": 4 * hidden, "n_layers": layers, "vocab_size": vocab, "max_length": seq, "positions": "learned",
+            "tie_embeddings": True, "param_dtype": "float32", "compute_dtype": "bfloat16", **extra}  # fmt: skip
+
+
+def _config(mesh: list[tuple[str, int]], layout: str, model: dict, seq: int, batch: int, microbatches: int,
+            param_layout: str = "") -> dict:  # fmt: skip
+    axes = [(a, n) for a, n in mesh if n > 1] or [("data", 1)]
+    cfg = {
+        "mesh": ",".join(f"{a}:{n}" for a, n in axes),
+        "layout": "; ".join(rule for rule in layout.split("; ") if rule.split(":")[1].strip("()").split(",")[0] in dict(axes)),
+        "model": model,
+        "data": {"source": "text", "length": seq},
+        "train": {"steps": 1, "batch_size": batch, "microbatches": microbatches},
+    }  # fmt: skip
+    if param_layout:
+        cfg["param_layout"] = param_layout
+    if "stage" in dict(axes):
+        cfg["pipeline"] = {"schedule": "gpipe"}  # Megatron's 1F1B has GPipe's bubble
+    return cfg
+
+
+def vtrain_rows(path: pathlib.Path) -> list[Row]:
+    out = []
+    for r in _read(path, VTRAIN_COLUMNS):
+        g, gb, mb, h, heads, layers, seq, tp, dp, pp = (_int(r, c, path.name) for c in VTRAIN_COLUMNS[:-1])
+        if gb % (mb * dp):
+            raise InputError(f"{path.name}: global batch {gb} is not a multiple of micro batch {mb} × data {dp}")
+        layout = "batch:data; heads:model; d_ff:model; vocab:model; layers:stage"
+        model = gpt(h, heads, layers, seq, MEGATRON_VOCAB, dropout=0.1, remat="full")
+        cfg = _config([("data", dp), ("stage", pp), ("model", tp)], layout, model, seq, gb, gb // (mb * dp))
+        name = f"{g}xA100 h{h} L{layers} gb{gb}: TP{tp} DP{dp} PP{pp} micro {mb}"
+        out.append(Row("vtrain", name, f"{g}xA100 h{h} L{layers} gb{gb}", "a100-sxm-8", cfg,
+                       float(r["iteration time (ms)"]) / 1e3))  # fmt: skip
+    return out
+
+
+def jax_rows(path: pathlib.Path) -> list[Row]:
+    out = []
+    for r in _read(path, JAX_COLUMNS):
+        n = {c: _int(r, c, path.name) for c in ("gpus", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "seq",
+                                                "global_batch", "dp", "fsdp", "tp", "pp")}  # fmt: skip
+        if n["tp"] != 1 or n["pp"] != 1:
+            raise InputError(f"{path.name}: {r['model']}: tp/pp other than 1 are not mapped yet")
+        remat = "dots" if r["remat"] in ("minimal_flash", "save_dot_only", "minimal") else "full"
+        attention = "cudnn" if r["attention"].startswith("cudnn") else "xla"
+        common = {"n_layers": n["layers"], "d_model": n["d_model"], "n_heads": n["heads"], "d_ff": n["d_ff"],
+                  "d_head": n["d_model"] // n["heads"], "vocab_size": n["vocab"], "max_length": n["seq"],
+                  "param_dtype": "float32", "compute_dtype": "bfloat16", "remat": remat, "attention": attention,
+                  "scan_layers": r["scan"] == "on"}  # fmt: skip
+        if r["model"].startswith("llama"):
+            model = {"name": "llama", "n_kv_heads": n["kv_heads"], **common}
+        else:
+            model = {**gpt(n["d_model"], n["heads"], n["layers"], n["seq"], n["vocab"]), **common}
+        hosts = max(n["gpus"] // 8, 1)
+        topo = "h100-sxm-8" if hosts == 1 else f"h100-sxm-{hosts}x8"
+        mesh = [("data", n["dp"]), ("fsdp", n["fsdp"])]
+        layout = (
+            "batch:(data,fsdp)" if n["dp"] > 1 and n["fsdp"] > 1 else "batch:fsdp" if n["fsdp"] > 1 else "batch:data"
+        )
+        cfg = _config(mesh, layout, model, n["seq"], n["global_batch"], 1, "embed:fsdp" if n["fsdp"] > 1 else "")
+        name = f"{r['framework']} {r['model']} {n['gpus']}xH100 dp{n['dp']} fsdp{n['fsdp']}"
+        out.append(Row("jax", name, name, topo, cfg, float(r["step_s"])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile (cached) and predict
+
+
+def _program_sources_digest() -> str:
+    """What the compiled program depends on in meshpar (every module but the planner's)."""
+    h = hashlib.sha256()
+    for p in sorted((ROOT / "meshpar").rglob("*.py")):
+        if "plan" not in p.relative_to(ROOT / "meshpar").parts[:1]:
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _key(row: Row, digest: str) -> str:
+    import jax
+
+    text = json.dumps([row.config, row.topology, jax.__version__, digest], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def compile_hlo(row: Row, cache: pathlib.Path, digest: str) -> tuple[str, float]:
+    """The optimised HLO of the row's train step on its machine (cached), and the compile time
+    (0 when cached)."""
+    import numpy as np
+
+    from meshpar import compile_cache, parts
+    from meshpar import config as config_lib
+    from meshpar.plan import gpu_target, topology
+
+    path = cache / f"{_key(row, digest)}.hlo"
+    if path.is_file():
+        return path.read_text(), 0.0
+    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
+    topo = topology.load(row.topology)
+    target = gpu_target.target(topo, cfg.mesh)
+    if not target.compile_only:
+        raise InputError(target.note or f"{row.topology}: XLA's GPU compiler is not available ({gpu_target.INSTALL})")
+    started = time.perf_counter()
+    spec = {"tokens": ((cfg.data.length + 1,), np.dtype(np.int32))}
+    with compile_cache.suspended(True):
+        text = parts.abstract_step(cfg, devices=target.devices, element_spec=spec).lower().compile().as_text()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return text, time.perf_counter() - started
+
+
+def predict(row: Row, text: str):
+    from meshpar import config as config_lib
+    from meshpar.plan import timing, topology
+
+    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
+    mesh = dict(cfg.mesh)
+    return timing.predict(cfg, mesh, text, topology.load(row.topology))
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per source: MAPE, share within 10%, signed mean; per group of ≥ GROUP_MIN rows: Spearman,
+    and the predicted best's measured time over the group's fastest − 1."""
+    out = {"sources": {}, "groups": {}}
+    for source in sorted({r["source"] for r in results}):
+        errs = [r["error"] for r in results if r["source"] == source]
+        out["sources"][source] = {
+            "rows": len(errs), "mape": sum(abs(e) for e in errs) / len(errs),
+            "within_10pct": sum(abs(e) <= 0.10 for e in errs) / len(errs), "signed_mean": sum(errs) / len(errs),
+        }  # fmt: skip
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["group"], []).append(r)
+    for name, rows in sorted(groups.items()):
+        if len(rows) < GROUP_MIN:
+            continue
+        measured = [r["measured_s"] for r in rows]
+        predicted = [r["predicted_s"] for r in rows]
+        best = min(rows, key=lambda r: r["predicted_s"])
+        out["groups"][name] = {
+            "rows": len(rows), "spearman": spearman(predicted, measured),
+            "best_slower_by": best["measured_s"] / min(measured) - 1, "predicted_best": best["name"],
+        }  # fmt: skip
+    return out
+
+
+def verdict(summary: dict) -> list[str]:
+    """The targets missed, one line each (empty: all met)."""
+    missed = []
+    for source, key in (("jax", "jax_mape"), ("vtrain", "vtrain_mape")):
+        s = summary["sources"].get(source)
+        if s and s["mape"] > TARGETS[key]:
+            missed.append(f"{source}: MAPE {s['mape']:.1%} above {TARGETS[key]:.0%}")
+    for name, g in summary["groups"].items():
+        if g["spearman"] < TARGETS["spearman"]:
+            missed.append(f"{name}: Spearman {g['spearman']:.2f} below {TARGETS['spearman']}")
+        if g["best_slower_by"] > TARGETS["best_within"]:
+            missed.append(f"{name}: the predicted best measured {g['best_slower_by']:.0%} slower than the fastest")
+    return missed
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def select(vtrain: list[Row], jax_: list[Row], sample: int | None, groups: int | None, seed: int) -> list[Row]:
+    if sample is None and groups is None:
+        return jax_ + vtrain
+    rng = random.Random(seed)
+    chosen: dict[int, Row] = {}
+    if sample:
+        for i in rng.sample(range(len(vtrain)), min(sample, len(vtrain))):
+            chosen[i] = vtrain[i]
+    if groups:
+        by_group: dict[str, list[int]] = {}
+        for i, r in enumerate(vtrain):
+            by_group.setdefault(r.group, []).append(i)
+        big = sorted(g for g, ids in by_group.items() if len(ids) >= GROUP_MIN)
+        for g in rng.sample(big, min(groups, len(big))):
+            chosen.update({i: vtrain[i] for i in by_group[g]})
+    return jax_ + [chosen[i] for i in sorted(chosen)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--published", help="folder with the published rows (default: see above)")
+    parser.add_argument("--sample", type=int, help="N vTrain rows at random")
+    parser.add_argument("--groups", type=int, help="N whole vTrain groups of >= 5 rows at random")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
+    parser.add_argument("--cache", default=str(ROOT / "runs" / "published-hlo"), help="compiled HLO cache")
+    parser.add_argument("--json", help="write every row and the summary here")
+    args = parser.parse_args(argv)
+    try:
+        folder = _published_dir(args.published)
+        if not folder.is_dir():
+            raise InputError(f"no published rows at {folder} (pass --published DIR or set MESHPAR_PUBLISHED)")
+        vtrain = vtrain_rows(folder / VTRAIN)
+        jax_ = [] if args.no_jax else jax_rows(folder / JAX)
+    except InputError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
+
+    rows = select(vtrain, jax_, args.sample, args.groups, args.seed)
+    digest = _program_sources_digest()
+    cache = pathlib.Path(args.cache)
+    results, failed = [], []
+    started = time.perf_counter()
+    print(f"{'row':52s} {'measured':>10s} {'predicted':>10s} {'error':>7s}  compute / collectives (hidden) / kernels")
+    for row in rows:
+        try:
+            text, _ = compile_hlo(row, cache, digest)
+            t = predict(row, text)
+        except Exception as e:  # noqa: BLE001 (one row that cannot be planned is reported, the rest go on)
+            failed.append({"name": row.name, "error": " ".join(str(e).split())[:300]})
+            print(f"{row.name:52s} cannot be planned: {failed[-1]['error'][:120]}", flush=True)
+            continue
+        err = (t.total_s - row.measured_s) / row.measured_s
+        results.append({"source": row.source, "name": row.name, "group": row.group, "topology": row.topology,
+                        "measured_s": row.measured_s, "predicted_s": t.total_s, "error": err,
+                        "compute_s": t.compute_s, "collective_s": t.collective_s, "hidden_s": t.hidden_s,
+                        "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis})  # fmt: skip
+        print(f"{row.name:52s} {row.measured_s * 1e3:8.1f}ms {t.total_s * 1e3:8.1f}ms {err:+7.1%}  "
+              f"{t.compute_s * 1e3:.1f} / {t.collective_s * 1e3:.1f} ({t.hidden_s * 1e3:.1f}) / {t.kernels}", flush=True)  # fmt: skip
+    if not results:
+        print("no row could be planned", file=sys.stderr)
+        return 1
+    summary = summarize(results)
+    print()
+    for source, s in summary["sources"].items():
+        print(f"{source}: {s['rows']} rows, MAPE {s['mape']:.1%}, within 10% {s['within_10pct']:.0%}, "
+              f"signed mean {s['signed_mean']:+.1%}")  # fmt: skip
+    for name, g in summary["groups"].items():
+        print(f"group {name} ({g['rows']} rows): Spearman {g['spearman']:.2f}, predicted best "
+              f"{g['predicted_best']!r} measured {g['best_slower_by']:.1%} slower than the fastest")  # fmt: skip
+    missed = verdict(summary) + [f"{f['name']}: cannot be planned" for f in failed]
+    print(
+        f"{len(results)} rows priced in {time.perf_counter() - started:.0f} s; bases: "
+        + "; ".join(sorted({r["basis"] for r in results}))
+    )
+    if args.json:
+        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "missed": missed}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    for line in missed:
+        print(f"missed: {line}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
