@@ -53,15 +53,15 @@ def rates_line(rates: dict) -> str:
 
 
 def step_table(step_time, topology):
-    """A :class:`meshpar.plan.timing.StepTime` as a rich Table: compute (FLOPs over the peak at
-    the topology's efficiency), each collective, feed (placed, and the part not hidden behind
-    compute), and the total."""
+    """A :class:`meshpar.plan.timing.StepTime` as a rich Table: compute by component (GEMMs,
+    attention, memory-bound kernels, each kernel's fixed cost), each collective, the part of
+    them hidden behind compute, feed (placed, and the part not hidden behind compute), and the
+    total; the caption says what the figures rest on."""
     from rich.table import Table
 
     t = Table(
         title=f"predicted step time per device on {topology.name}", title_justify="left",
-        caption=f"{topology.description}; step efficiency {topology.efficiency:.0%} of peak ({topology.source})",
-        caption_justify="left",
+        caption=f"{topology.description}. Rests on: {step_time.basis or topology.source}", caption_justify="left",
     )  # fmt: skip
     t.add_column("term", no_wrap=True)
     t.add_column("detail")
@@ -72,14 +72,29 @@ def step_table(step_time, topology):
     def row(term, detail, seconds, **kw):
         t.add_row(term, detail, fmt_seconds(seconds), f"{seconds / total:.0%}", **kw)
 
-    row("compute", f"{step_time.flops:.4g} FLOP per device", step_time.compute_s)
+    kernels = f", {step_time.kernels:,} kernels" if step_time.kernels else ""
+    row("compute", f"{step_time.flops:.4g} FLOP per device{kernels}", step_time.compute_s)
+    for name, seconds in step_time.components.items():
+        row(f"  {name}", COMPONENTS.get(name, ""), seconds)
+    if step_time.launch_s:
+        row("  of which launches", "each kernel's fixed cost", step_time.launch_s)
     for c in step_time.collectives:
         row(f"  {c.kind}", f"{fmt_bytes(c.bytes)} over {c.axis}", c.seconds)
     row("collectives", f"{len(step_time.collectives)} ops", step_time.collective_s)
+    row("hidden", "collective time behind compute scheduled beside it", -step_time.hidden_s)
     row("feed (placement)", "one batch", step_time.feed_s)
     row("feed exposed", "not hidden behind compute", step_time.exposed_feed_s)
-    row("total", "compute + collectives + exposed feed", step_time.total_s, style="bold")
+    row("total", "compute + collectives − hidden + exposed feed", step_time.total_s, style="bold")
     return t
+
+
+# What each compute component of a step time is (meshpar.plan.timing).
+COMPONENTS = {
+    "gemm": "matrix products by shape (tiles in waves over the SMs)",
+    "attention": "fused attention kernels",
+    "memory-bound": "kernels bound by their bytes",
+    "flop-bound": "ops bound by their FLOPs at the measured rate",
+}
 
 
 def feeding_table(rows, topology, split):

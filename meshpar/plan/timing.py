@@ -120,6 +120,9 @@ class StepTime:
     kernels: int = 0
     launch_s: float = 0.0
     basis: str = ""
+    # Compute seconds by component: gemm, attention, memory-bound kernels (each with its launch
+    # cost), or on a roofline machine flop-bound and memory-bound ops.
+    components: dict = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,11 +499,14 @@ class _Span:
     compute_s: float = 0.0  # its compute ops, one after another
     collective_s: float = 0.0  # its collectives, each priced alone
     kernels: int = 0  # kernels launched (fusions, library calls, copies…)
+    components: dict[str, float] = dataclasses.field(default_factory=dict)  # compute seconds by component
 
     def add(self, other: _Span, times: int = 1) -> None:
         self.compute_s += times * other.compute_s
         self.collective_s += times * other.collective_s
         self.kernels += times * other.kernels
+        for name, seconds in other.components.items():
+            self.components[name] = self.components.get(name, 0.0) + times * seconds
 
 
 class _Pricer:
@@ -526,7 +532,11 @@ class _Pricer:
         span, compute_t, link_t, pending = _Span(), 0.0, 0.0, {}
         for op in self.module.computations.get(computation, []):
             code = op.opcode
-            if code in _FREE or code.endswith("-update"):
+            if code in _FREE:
+                continue
+            if code.endswith("-update"):  # an async chain's middle: its -done waits on what its -start began
+                if op.operands and op.operands[0] in pending:
+                    pending[op.name] = pending.pop(op.operands[0])
                 continue
             if code.endswith("-done"):
                 started = pending.pop(op.operands[0], None) if op.operands else None
@@ -557,10 +567,11 @@ class _Pricer:
                 compute_t += times * inner.seconds
                 span.add(inner, times)
                 continue
-            seconds, launches = self.op_seconds(computation, op)
+            seconds, launches, component = self.op_seconds(computation, op)
             compute_t += seconds
             span.compute_s += seconds
             span.kernels += launches
+            span.components[component] = span.components.get(component, 0.0) + seconds
         span.seconds = max(compute_t, link_t, *pending.values())
         self.memo[computation] = span
         return span
@@ -588,23 +599,28 @@ def _gpu_op_seconds(module: hlo.Module, topology):
     flops_of = hlo.flops_of(module)
     bandwidth = topology.device_memory_bandwidth * costs.memory_fraction
 
-    def seconds(computation: str, op: hlo.Op) -> tuple[float, int]:
+    def seconds(computation: str, op: hlo.Op) -> tuple[float, int, str]:
         moving = _op_bytes(module, computation, op) / bandwidth
         inner = hlo.unwrap(op)
         name = hlo.target(inner)
         gemm = kernels.gemm(module, computation, op)
         if gemm is not None:
-            work = kernels.gemm_seconds(gemm, topology.peak(kernels.peak_dtype(gemm.dtype)), sms, costs)
+            work, component = kernels.gemm_seconds(gemm, topology.peak(kernels.peak_dtype(gemm.dtype)), sms, costs), "gemm"
         elif name.startswith("__cudnn$fmha"):
             q = hlo.arrays(module.operand_shape(computation, inner, 0))
             peak = topology.peak(kernels.peak_dtype(q[0][0] if q else "bf16"))
             flops = hlo.op_flops(module, computation, op, flops_of)
-            work = kernels.attention_seconds(flops, kernels.attention_blocks(module, computation, op), peak, sms, costs)
+            blocks = kernels.attention_blocks(module, computation, op)
+            work, component = kernels.attention_seconds(flops, blocks, peak, sms, costs), "attention"
         elif name.startswith("__cudnn$conv"):
-            work = hlo.op_flops(module, computation, op, flops_of) / (topology.peak("bfloat16") * costs.gemm_fraction)
+            flops = hlo.op_flops(module, computation, op, flops_of)
+            work, component = flops / (topology.peak("bfloat16") * costs.gemm_fraction), "gemm"
         else:  # elementwise and reductions: CUDA cores
             work = hlo.op_flops(module, computation, op, flops_of) / topology.peak_flops.get("float32", 1.0)
-        return costs.launch_s + max(work, moving), 1
+            component = "memory-bound"
+        if moving > work:
+            component = "memory-bound"
+        return costs.launch_s + max(work, moving), 1, component
 
     return seconds
 
@@ -614,9 +630,9 @@ def _roofline_op_seconds(module: hlo.Module, flop_rate: float, rates: _Memory):
     host's measured matmul and copy rates; no per-kernel cost)."""
     flops_of = hlo.flops_of(module)
 
-    def seconds(computation: str, op: hlo.Op) -> tuple[float, int]:
-        flops = hlo.op_flops(module, computation, op, flops_of)
-        return max(flops / flop_rate, rates.seconds(_op_bytes(module, computation, op))), 1
+    def seconds(computation: str, op: hlo.Op) -> tuple[float, int, str]:
+        flops, moving = hlo.op_flops(module, computation, op, flops_of), rates.seconds(_op_bytes(module, computation, op))
+        return max(flops / flop_rate, moving), 1, "flop-bound" if flops / flop_rate >= moving else "memory-bound"
 
     return seconds
 
@@ -663,7 +679,7 @@ def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
     return StepTime(
         _module_flops(module), span.compute_s, parts, collective_s, feed_s, exposed, span.seconds + exposed,
         flops_s=op_flops / flop_rate, bytes=op_bytes, memory_s=memory_s, hidden_s=hidden, kernels=span.kernels,
-        launch_s=launch, basis=basis(topology),
+        launch_s=launch, basis=basis(topology), components=dict(sorted(span.components.items())),
     )  # fmt: skip
 
 
