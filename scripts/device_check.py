@@ -18,6 +18,9 @@ SECTION is one of:
   quickstart over every mesh of the devices present (``data:N/M,model:M``) →
   ``c_feeding.json``, rewritten as each mesh finishes; with one device it says the two coincide.
 - ``offload`` (d): ``scripts/bench_offload.py`` when this tree has it → ``d_offload.json``.
+- ``kernels`` (f): ``scripts/bench_kernels.py``: the time model's components measured — GEMMs
+  by shape, a kernel's fixed cost, memory bandwidth, all-reduce by size with two or more devices —
+  each beside the topology's prediction → ``f_kernels.json``.
 - ``unified`` (d): CUDA Unified Memory against host-offload swapping → ``d_unified_memory.json``.
   The planner's memory model over a geometric range of batch sizes (``out-of-core-sweep`` below)
   picks the one at which ``experiments/gpu_lm.yaml`` on one GPU needs closest to ``UM_FACTOR`` ×
@@ -568,9 +571,28 @@ def unified(args, device: dict) -> dict:
     return out
 
 
+def kernel_costs(args, device: dict) -> dict:
+    """The time model's components measured (scripts/bench_kernels.py): GEMMs by shape, a
+    kernel's fixed cost, memory bandwidth and, with two or more devices, all-reduce by size,
+    each beside the topology's prediction."""
+    out_json = args.work / "kernels.json"
+    cmd = [sys.executable, "scripts/bench_kernels.py", "--json", str(out_json)]
+    if device.get("topology") and device["topology"] != "cpu-sim":
+        cmd += ["--topology", device["topology"]]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    rc, text = run(cmd, args.seconds, args.log)
+    found = read_json(out_json)
+    if rc != 0 or not found:
+        return failure(rc, args.seconds, text, "bench_kernels.py")
+    ratios = [r["ratio"] for r in found["gemm"] if "ratio" in r]
+    spread = f"GEMM measured / predicted {min(ratios):.2f} to {max(ratios):.2f}" if ratios else "no topology to compare"
+    return {"status": "ok", "note": f"bench_kernels.py on {found['device']}: {spread}", "results": found}
+
+
 SECTIONS = {"feed": ("a_feed", feed), "plan": ("plan", plan), "lm": ("b_gpu_lm", lm),
             "feeding": ("c_feeding", feeding), "offload": ("d_offload", offload),
-            "unified": ("d_unified_memory", unified)}  # fmt: skip
+            "unified": ("d_unified_memory", unified), "kernels": ("f_kernels", kernel_costs)}  # fmt: skip
 
 
 def main(argv=None) -> int:

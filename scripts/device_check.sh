@@ -81,6 +81,7 @@ section feed a_feed 45
 section plan plan 90
 section lm b_gpu_lm 110
 section feeding c_feeding 70
+section kernels f_kernels 60
 section offload d_offload 60
 section unified d_unified_memory 240
 

@@ -3,7 +3,7 @@ measurement of sections (a)-(d), then one markdown page of the whole check.
 
     python scripts/device_report.py --results DIR [--command "bash scripts/device_check.sh ..."]
 
-Reads ``DIR/{device,a_feed,plan,b_gpu_lm,c_feeding,d_offload,d_unified_memory}.json`` and ``DIR/sections.tsv``
+Reads ``DIR/{device,a_feed,plan,b_gpu_lm,c_feeding,f_kernels,d_offload,d_unified_memory}.json`` and ``DIR/sections.tsv``
 (section, exit status, wall seconds, budget, as ``scripts/device_check.sh`` records them); writes
 ``DIR/e_predictions.json`` and ``DIR/summary.md``. A missing or failed section is a row that
 says so, never a missing file. Predictions come from :mod:`meshpar.plan` on the topology
@@ -24,7 +24,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SECTIONS = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "d_offload", "d_unified_memory", "e_predictions")
+SECTIONS = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "f_kernels", "d_offload", "d_unified_memory",
+            "e_predictions")  # fmt: skip
 
 
 def _read(results: pathlib.Path, name: str) -> dict:
@@ -212,6 +213,7 @@ def markdown(sections: dict, times: dict, command: str) -> str:
                              f"{_fmt(r['median_step_time_s'], 's')} | {r['stall_fraction']:.1%} | {r['relay_peak_bytes']:,} | "
                              f"{'yes' if m['losses_identical'] else 'NO'} |")  # fmt: skip
         lines.append("")
+    lines += _kernel_costs(sections["f_kernels"])
     lines += ["## (d) offload", "", sections["d_offload"].get("note", ""), ""]
     for name, result in (sections["d_offload"].get("results") or {}).items():
         rows = _offload_rows(result)
@@ -234,6 +236,22 @@ def markdown(sections: dict, times: dict, command: str) -> str:
                          f"{_fmt(r['measured_over_predicted'])} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
+
+
+def _kernel_costs(section: dict) -> list[str]:
+    """(f): the time model's components measured beside its figures (scripts/bench_kernels.py)."""
+    found = section.get("results") or {}
+    lines = ["## (f) kernel costs: measured beside the topology's figures", "", section.get("note", ""), ""]
+    rows = [(f"GEMM {'x'.join(map(str, r['shape']))} ({r['tflops']:.0f} TFLOP/s)", r) for r in found.get("gemm", [])]
+    rows += [("a kernel's fixed cost", found["launch"])] if found.get("launch") else []
+    rows += [(f"memory pass ({found['bandwidth']['gbps']:.0f} GB/s)", found["bandwidth"])] if found.get("bandwidth") else []
+    rows += [(f"all-reduce {r['bytes'] >> 20} MiB x {r['devices']}", r) for r in found.get("allreduce", [])]
+    if rows:
+        lines += ["| kernel | measured | predicted | measured / predicted |", "|---|---|---|---|"]
+        for name, r in rows:
+            lines.append(f"| {name} | {_fmt(r['measured_s'], 's')} | {_fmt(r.get('predicted_s'), 's')} | {_fmt(r.get('ratio'))} |")
+        lines.append("")
+    return lines
 
 
 def _planned_device(planner: dict) -> str:

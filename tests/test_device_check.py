@@ -17,7 +17,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTION_FILES = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "d_offload", "d_unified_memory")
+SECTION_FILES = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "f_kernels", "d_offload", "d_unified_memory")
 OUTPUTS = (*(f"{n}.json" for n in SECTION_FILES), "e_predictions.json", "summary.md", "sections.tsv")
 OPTIONAL = ("orbax", "tensorflow_datasets", "tensorflow", "tensorboardX", "matplotlib", "array_record")
 
@@ -104,6 +104,10 @@ def _write_sections(results: pathlib.Path) -> None:
             {"mesh": "data:1,model:1", "status": "ok", "losses_identical": True, "runs": [
                 {"mode": m, "prefetch": 2, "median_place_time_s": 2e-4, "median_step_time_s": 0.01, "stall_fraction": 0.0,
                  "relay_peak_bytes": 4128} for m in ("routed", "direct")]}]},
+        "f_kernels": {"status": "ok", "note": "", "results": {
+            "gemm": [{"shape": [8192, 8192, 8192], "measured_s": 0.0015, "tflops": 733.0, "predicted_s": 0.00148,
+                      "ratio": 1.01}],
+            "launch": {"kernels": 256, "measured_s": 4e-6, "predicted_s": 3e-6, "ratio": 1.33}}},
     }  # fmt: skip
     for name, body in sections.items():
         (results / f"{name}.json").write_text(json.dumps({"section": name, **body}))
@@ -131,6 +135,7 @@ def test_the_report_sets_the_time_models_prediction_beside_each_measurement(tmp_
     assert routed["predicted"] == feed_time.placement_time(topo, "routed", split.batch_bytes, 1, 1, split.fields, False)
     summary = (tmp_path / "summary.md").read_text()
     assert "| device | ok | 9 | 40 |" in summary and "| d_offload | missing |" in summary
+    assert "| GEMM 8192x8192x8192 (733 TFLOP/s) |" in summary and "| a kernel's fixed cost |" in summary
     assert "With one device: the same path." in summary and "| 40 | data:1 | 600.000 ms |" in summary
 
 
@@ -307,7 +312,8 @@ def test_the_dry_run_runs_every_section_end_to_end_on_cpu(tmp_path, env):
     assert result.returncode == 0, result.stderr
     for name in OUTPUTS:
         assert (tmp_path / name).stat().st_size > 0, name
-    status = {n: json.loads((tmp_path / f"{n}.json").read_text())["status"] for n in ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding")}
+    status = {n: json.loads((tmp_path / f"{n}.json").read_text())["status"]
+              for n in ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "f_kernels")}  # fmt: skip
     assert set(status.values()) == {"ok"}, status
     assert json.loads((tmp_path / "d_offload.json").read_text())["status"] in ("ok", "skipped")
     pred = json.loads((tmp_path / "e_predictions.json").read_text())
