@@ -9,6 +9,10 @@ XLA's partitioner inside the stage function (``jax.shard_map`` over the stage ax
 model code is the same for every layout: it calls :func:`meshpar.models.layers.run_layers`, which
 runs the stack here when a schedule is active (:func:`running`).
 
+An op with its own partitioning rule (jax's ``custom_partitioning``: cuDNN's fused attention)
+cannot be partitioned in a stage's partially manual region; :func:`manual` runs it fully manual
+there, each device on its block of the layout's split.
+
 Two schedules (``pipeline.schedule``), after MaxText's:
 
 * ``gpipe`` — stage s holds layers ``s·L/S .. (s+1)·L/S − 1``; microbatch m enters stage 0 at
@@ -233,6 +237,111 @@ def run(sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: 
         mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), axis_names={axis}, check_vma=True,
     )(stacked, micro, *keys)  # fmt: skip
     return merge_microbatches(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fully manual ops inside a stage
+
+Dims = tuple[str | None, ...]
+
+
+def _manual_layout(spare: str, dims: tuple[Dims, ...]) -> tuple[layout_lib.Layout, jax.sharding.AbstractMesh] | None:
+    """Inside a stage: the active layout with every mesh axis the stage leaves to the
+    partitioner that no dim of `dims` is split over added to `spare`'s split, and the stage's
+    (abstract) mesh. None outside a stage or without an active layout."""
+    abstract = jax.sharding.get_abstract_mesh()
+    manual_axes = frozenset(abstract.manual_axes)
+    # The layout the stage's activations follow: meshpar.layout has no public reader of it yet.
+    active = layout_lib._ACTIVE.get()
+    if not manual_axes or active is None:
+        return None
+    layout = active[0]
+    named = {a for d in dims for entry in layout.spec(d) for a in _names(entry)}
+    extra = tuple(a for a in abstract.axis_names if a not in manual_axes and a not in named)
+    if extra:
+        axes = (*_names(layout.axis(spare)), *extra)
+        rules = (*((d, a) for d, a in layout.rules if d != spare), (spare, axes[0] if len(axes) == 1 else axes))
+        layout = dataclasses.replace(layout, rules=rules)
+    return layout, abstract
+
+
+def _names(axes: layout_lib.Axes | None) -> tuple[str, ...]:
+    """A rule's (or a PartitionSpec entry's) mesh axes as a tuple: None → ``()``."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def manual_problem(shapes: tuple[tuple[int, ...], ...], in_dims: tuple[Dims, ...], spare: str) -> str | None:
+    """Why :func:`manual` cannot split arguments of `shapes` (None when it can, or outside a stage)."""
+    found = _manual_layout(spare, in_dims)
+    if found is None:
+        return None
+    try:
+        for shape, dims in zip(shapes, in_dims):
+            found[0].check_shape(dims, shape)
+    except layout_lib.LayoutError as e:
+        return str(e)
+    return None
+
+
+def manual(f: Callable, in_dims: tuple[Dims, ...], out_dims: Dims, spare: str) -> Callable:
+    """`f` made fully manual inside a pipeline stage: a nested ``jax.shard_map`` over every mesh
+    axis the stage leaves to the partitioner, each argument split by the active layout's rule
+    for its logical dims (`in_dims`, one tuple per argument; `out_dims`, the result's), so `f`
+    runs on one device's block. Outside a stage (no manual mesh axis) or without an active
+    layout, `f` itself.
+
+    An op with its own partitioning rule (``custom_partitioning``, as jax's cuDNN fused
+    attention has) cannot be partitioned in a partially manual region: the partitioner hands
+    the rule a ``GSPMDSharding`` where it reads a ``NamedSharding``'s spec. Fully manual, the op
+    is never partitioned. A dim named None is whole on every device (the partitioner gathers it
+    at the edge where the layout splits it). A mesh axis the layout splits none of the dims
+    over is added to the split of dim `spare` (which every argument and the result have), so
+    the op does its share of the work, not a copy of all of it; :func:`manual_problem` says
+    when `spare` does not divide.
+
+    The gradient is written out (a ``custom_vjp``): the forward region runs `f`'s own forward
+    pass and returns its residuals, one block per device; the backward region runs `f`'s own
+    backward pass on them. jax's autodiff of a nested region gets the residuals' specs wrong
+    (jax 0.10 to 0.12): it names the stage's manual axis in them, which the lowering rejects.
+    For the same reason `f`'s forward pass must hold no constant that the loop around it would
+    hoist out as a residual of the region (jax makes a literal meeting a per-device value
+    per-device too); cuDNN's call, one primitive each way, holds none.
+    """
+    found = _manual_layout(spare, (*in_dims, out_dims))
+    if found is None:
+        return f
+    layout, abstract = found
+    free = frozenset(abstract.axis_names) - frozenset(abstract.manual_axes)
+    in_specs, out_spec = tuple(layout.spec(d) for d in in_dims), layout.spec(out_dims)
+    # A residual of any shape: each device's own, stacked along a new leading dim.
+    blocks = PartitionSpec(tuple(a for a in abstract.axis_names if a in free))
+
+    def region(body, in_specs, out_specs):
+        return jax.shard_map(body, mesh=abstract, in_specs=in_specs, out_specs=out_specs, axis_names=free)
+
+    pullback_tree = []  # the structure of f's backward pass, from the forward region's trace
+
+    def forward(*args):
+        out, pullback = jax.vjp(f, *args)
+        leaves, tree = jax.tree.flatten(pullback)
+        pullback_tree[:] = [tree]
+        return out, [x[None] for x in leaves]
+
+    def backward(residuals, g):
+        return jax.tree.unflatten(pullback_tree[0], [x[0] for x in residuals])(g)
+
+    @jax.custom_vjp
+    def call(*args):
+        return region(f, in_specs, out_spec)(*args)
+
+    def call_fwd(*args):
+        return region(forward, in_specs, (out_spec, blocks))(*args)
+
+    def call_bwd(residuals, g):
+        return region(backward, (blocks, out_spec), in_specs)(residuals, g)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
 
 
 # ---------------------------------------------------------------------------------------------

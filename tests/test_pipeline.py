@@ -4,6 +4,7 @@ instead of gathering weights, training follows the layout without a stage axis i
 modes, checkpoints move between pipelined and non-pipelined layouts both ways, and bad settings
 are one-line config errors."""
 
+import functools
 import json
 import re
 import shutil
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from meshpar import config, layout, parts, pipeline, train
 from meshpar.config import ConfigError
@@ -245,3 +247,114 @@ def test_the_gpu_program_of_a_pipeline_passes_activations_between_stages():
     whiles = [op for ops in module.computations.values() for op in ops if op.opcode == "while"]
     ticks = cfg.train.microbatches + 2 - 1
     assert sum(hlo.trip_count(module, op) == ticks for op in whiles) >= 2  # the forward's ticks and the backward's
+
+
+def test_blockwise_attention_runs_in_the_stages():
+    """Its scans' fresh carries take the stage's type (varying over the stage axis): the
+    pipelined stack with blockwise attention gives the sequential loss and gradients."""
+    cfg = transformer.TransformerConfig(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=2, vocab_size=64, max_length=16,
+                                        attention="blockwise", attention_block=8)  # fmt: skip
+    graphdef, params = nnx.split(transformer.build(cfg, {"tokens": ((17,), np.uint8)}, nnx.Rngs(1)))
+    batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 17)), jnp.uint8)}
+    mesh = build_mesh("data:2,stage:2,model:2")
+    sched = pipeline.schedule_for(layout.Layout.create(f"layers:stage; {FLAT}", dict(mesh.shape)), "gpipe", 1, 2)
+    loss0, grads0 = _loss_and_grads(cfg, FLAT, None, params, batch, graphdef, mesh)
+    loss1, grads1 = _loss_and_grads(cfg, f"layers:stage; {FLAT}", sched, params, batch, graphdef, mesh)
+    np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+    for (path, g0), g1 in zip(jax.tree_util.tree_flatten_with_path(grads0)[0], jax.tree.leaves(grads1)):
+        where = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-4, atol=1e-6, err_msg=where)
+
+
+ATTENTION_DIMS = ("batch", None, "heads", None)
+
+
+@pytest.mark.parametrize(
+    "rules, per_device",
+    [
+        ("batch:data; heads:model", (2, 16, 2, 8)),
+        ("batch:data", (1, 16, 4, 8)),  # heads not split: the model axis joins data in splitting the batch
+    ],
+)
+def test_manual_runs_an_op_on_each_devices_block_inside_a_stage(rules, per_device):
+    """pipeline.manual (how cuDNN's attention runs in a stage: its custom_partitioning cannot
+    run in a partially manual region) gives the op one device's block, with the value and
+    gradients of the op left to the partitioner. XLA's attention stands in for cuDNN's here."""
+    mesh = build_mesh("data:2,stage:2,model:2")
+    lay = layout.Layout.create(f"layers:stage; {rules}", dict(mesh.shape))
+    seen = []
+
+    def op(q, k, v):
+        seen.append(q.shape)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    def loss(w, q, k, v, manual):
+        def stage(w, q, k, v):
+            q = q * w[0]  # varies over the stage axis, as a stage's activations do
+            f = pipeline.manual(op, (ATTENTION_DIMS,) * 3, ATTENTION_DIMS, "batch") if manual else op
+            return jax.lax.psum(f(q, k, v), "stage")
+
+        with layout.activate(lay, mesh):
+            out = jax.shard_map(
+                stage, mesh=mesh, in_specs=(P("stage"), P(), P(), P()), out_specs=P(), axis_names={"stage"}
+            )(w, q, k, v)
+        return (out**2).sum()
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 16, 4, 8)), jnp.float32) for _ in range(3))
+    w = jnp.asarray([1.5, -0.5], jnp.float32)
+    results = {}
+    for manual in (False, True):
+        seen.clear()
+        grad = jax.jit(jax.value_and_grad(functools.partial(loss, manual=manual), argnums=(0, 1, 2, 3)))
+        results[manual] = grad(w, q, k, v)
+        assert set(seen) == {per_device if manual else (4, 16, 4, 8)}, seen
+    (want, want_grads), (got, got_grads) = results[False], results[True]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    for name, a, b in zip("wqkv", want_grads, got_grads):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a).max() > 0, name
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), (name, np.abs(a - b).max(), np.abs(a).max())
+
+
+def test_cudnn_attention_in_a_stage_falls_back_where_the_batch_cannot_take_a_spare_axis(monkeypatch):
+    """Heads unsplit and one row per data shard in a microbatch: the model axis has no dim of
+    the call's to split, so the stage takes cudnn's fallback (blockwise), as off a CUDA GPU."""
+    from meshpar.models import attention
+
+    called = []
+    monkeypatch.setattr(attention, "resolve", lambda *args: "cudnn")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *args, **kwargs: called.append("cudnn"))
+    monkeypatch.setattr(attention, "blockwise", lambda q, k, v, block: (called.append("blockwise"), q)[1])
+    mesh = build_mesh("data:2,stage:2,model:2")
+    lay = layout.Layout.create("layers:stage; batch:data; d_ff:model; vocab:model", dict(mesh.shape))
+    q = jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.float32)  # a microbatch of 2 rows: 1 per data shard
+
+    def stage(q):
+        return attention.attention(q, q, q, "cudnn")
+
+    with layout.activate(lay, mesh):
+        jax.eval_shape(jax.shard_map(stage, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"stage"}), q)
+    assert called == ["blockwise"]
+
+
+@pytest.mark.gpu_target
+@pytest.mark.parametrize(
+    "overrides",
+    [["model.attention=cudnn"], ["model.attention=auto", "pipeline.schedule=circular", "pipeline.repeats=2"]],
+    ids=["cudnn-gpipe", "auto-circular"],
+)
+def test_the_gpu_program_of_a_pipeline_runs_cudnn_attention_in_its_stages(overrides):
+    """A stage axis with cuDNN's fused attention (asked for, or auto's choice for bfloat16 on a
+    GPU), compiled for an H100 machine (no GPU needed): the stages' program calls cuDNN's flash
+    attention forward and backward; a fallback to blockwise or XLA attention has no such call."""
+    from meshpar.plan import gpu_target, topology
+    from tests.test_gpu_target import _need_compiler
+
+    _need_compiler()
+    cfg = config.load(EXPERIMENT, [*overrides, "model.compute_dtype=bfloat16", "model.d_head=64"])
+    target = gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh)
+    step = parts.abstract_step(cfg, devices=target.devices)
+    text = step.lower().compile().as_text()
+    calls = set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', text))
+    assert calls == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls

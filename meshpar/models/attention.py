@@ -18,6 +18,11 @@ fails in a running step):
   so asking for ``cudnn`` always gets attention that does not materialise the scores.
 * ``auto`` (default) — cuDNN where it applies, else ``xla``.
 
+Inside a pipeline stage (:mod:`meshpar.pipeline`) cuDNN's call runs fully manual, on each
+device's batch rows and heads (:func:`cudnn`): jax's partitioning rule for it cannot run in a
+stage's partially manual region. There cuDNN also needs the batch to take every mesh axis that
+splits neither batch nor heads; where it cannot, the fallback runs.
+
 cuDNN applies when all hold (checked once per shape and dtype): the default backend is a CUDA
 GPU; q/k/v are bfloat16 or float16 (cuDNN's flash attention has no float32 kernel); and jax's
 own cuDNN checks pass for this shape, forward and backward — cuDNN found, head dim (``kv``) a
@@ -45,6 +50,7 @@ import jax.extend.backend
 import jax.numpy as jnp
 
 from meshpar import layout as layout_lib
+from meshpar import pipeline
 from meshpar.layout import constrain
 
 Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
@@ -56,14 +62,37 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "a
     kv]`` (``kv_heads`` divides ``heads``; equal for multi-head attention) by `implementation`;
     the result has q's dtype and shape."""
     chosen = resolve(implementation, q.shape, q.dtype, block)
+    if chosen == "cudnn" and pipeline.manual_problem((q.shape,), (CUDNN_DIMS,), "batch"):
+        chosen = "xla" if implementation == "auto" else "blockwise"  # a stage cuDNN cannot run in (see cudnn)
     # cuDNN takes grouped heads as they are where both dims are split alike; all else repeats them.
     if k.shape[2] != q.shape[2] and not (chosen == "cudnn" and layout_lib.same_split("kv_heads", "heads")):
         k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     if chosen == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
+        return cudnn(q, k, v)
     if chosen == "blockwise":
         return blockwise(q, k, v, min(block, q.shape[1]))
     return xla(q, k, v)
+
+
+# cuDNN's view of q: batch and heads split as the layout splits them, every position and each
+# head's width whole on each device (the kernel is causal over the whole length).
+CUDNN_DIMS = ("batch", None, "heads", None)
+
+
+def cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """cuDNN's fused flash attention (``k, v`` with q's heads, or with ``kv_heads`` split as
+    ``heads`` is). Its partitioning rule (jax's ``custom_partitioning``) cannot run inside a
+    pipeline stage, where the stage axis is manual and the others are left to the partitioner:
+    there the call runs fully manual (:func:`meshpar.pipeline.manual`), on each device's batch
+    rows and heads, a mesh axis that splits neither adding to the batch's split; where the
+    batch does not divide (:func:`meshpar.pipeline.manual_problem`) :func:`attention` takes
+    the fallback instead."""
+    kv_dims = ("batch", None, "heads" if k.shape[2] == q.shape[2] else "kv_heads", None)
+
+    def call(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5, implementation="cudnn")
+
+    return pipeline.manual(call, (CUDNN_DIMS, kv_dims, kv_dims), CUDNN_DIMS, "batch")(q, k, v)
 
 
 def repeat_kv(x: jax.Array, heads: int) -> jax.Array:
@@ -162,6 +191,15 @@ ROWS = ("batch", "heads", "length")  # per-query statistics [batch, heads, lengt
 ACC = ("batch", "heads", "length", "kv")  # float32 accumulators [batch, heads, length, kv]
 
 
+def _carry(x: jax.Array) -> jax.Array:
+    """A scan's fresh carry, typed as varying over the manual mesh axes of the region traced in
+    (a pipeline stage's ``shard_map``, where q, k and v vary over the stage axis): a carry must
+    have one type in and out, and the body's output varies as anything computed from q does.
+    Outside a manual region, `x` itself."""
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     """``[b, L, h, d]`` → ``[n, b, B, h, d]``: key/value blocks, leading for ``lax.scan``."""
     b, length, h, d = x.shape
@@ -200,9 +238,9 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.
         return (constrain(m_new, ROWS), l, acc), None
 
     init = (
-        constrain(jnp.full((b, h, length), NEG, jnp.float32), ROWS),
-        constrain(jnp.zeros((b, h, length), jnp.float32), ROWS),
-        constrain(jnp.zeros((b, h, length, d), jnp.float32), ACC),
+        constrain(_carry(jnp.full((b, h, length), NEG, jnp.float32)), ROWS),
+        constrain(_carry(jnp.zeros((b, h, length), jnp.float32)), ROWS),
+        constrain(_carry(jnp.zeros((b, h, length, d), jnp.float32)), ACC),
     )
     n = length // block
     (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
@@ -240,7 +278,7 @@ def _blockwise_bwd(block, residuals, g):
         return constrain(dq, ("batch", "length", "heads", "kv")), (dk.astype(dt), dv.astype(dt))
 
     n = q.shape[1] // block
-    dq0 = constrain(jnp.zeros(q.shape, jnp.float32), ("batch", "length", "heads", "kv"))
+    dq0 = constrain(_carry(jnp.zeros(q.shape, jnp.float32)), ("batch", "length", "heads", "kv"))
     dq, (dk, dv) = jax.lax.scan(step, dq0, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
     return dq.astype(dt), _unblocks(dk), _unblocks(dv)
 
