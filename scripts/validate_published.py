@@ -28,7 +28,8 @@ fastest the predicted best measured. Exit 1 below the targets — MAPE ≤ 15% o
 fastest — 2 on bad input (a file or column missing), one line.
 
 ``--sample N``: N vTrain rows drawn at random (seed ``--seed``); ``--groups N``: N whole groups
-of ≥ 5 rows drawn at random (their rows added); neither: every row. About 8 s per row to
+of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (as printed, e.g.
+``"8xA100 h2048 L24 gb32"``; repeatable); none of them: every row. About 8 s per row to
 compile on one core, nothing once cached.
 """
 
@@ -302,11 +303,15 @@ def verdict(summary: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def select(vtrain: list[Row], jax_: list[Row], sample: int | None, groups: int | None, seed: int) -> list[Row]:
-    if sample is None and groups is None:
+def select(vtrain: list[Row], jax_: list[Row], sample: int | None, groups: int | None, seed: int,
+           named: list[str] = ()) -> list[Row]:  # fmt: skip
+    if sample is None and groups is None and not named:
         return jax_ + vtrain
     rng = random.Random(seed)
-    chosen: dict[int, Row] = {}
+    chosen: dict[int, Row] = {i: r for i, r in enumerate(vtrain) if r.group in named}
+    unknown = sorted(set(named) - {r.group for r in vtrain})
+    if unknown:
+        raise InputError(f"--group {unknown[0]!r} is no group of the rows (e.g. {vtrain[0].group!r})")
     if sample:
         for i in rng.sample(range(len(vtrain)), min(sample, len(vtrain))):
             chosen[i] = vtrain[i]
@@ -325,6 +330,7 @@ def main(argv=None) -> int:
     parser.add_argument("--published", help="folder with the published rows (default: see above)")
     parser.add_argument("--sample", type=int, help="N vTrain rows at random")
     parser.add_argument("--groups", type=int, help="N whole vTrain groups of >= 5 rows at random")
+    parser.add_argument("--group", action="append", default=[], help="a whole group by name (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
     parser.add_argument("--cache", default=str(ROOT / "runs" / "published-hlo"), help="compiled HLO cache")
@@ -340,7 +346,11 @@ def main(argv=None) -> int:
         print(f"data error: {e}", file=sys.stderr)
         return 2
 
-    rows = select(vtrain, jax_, args.sample, args.groups, args.seed)
+    try:
+        rows = select(vtrain, jax_, args.sample, args.groups, args.seed, args.group)
+    except InputError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     digest = _program_sources_digest()
     cache = pathlib.Path(args.cache)
     results, failed = [], []
