@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 
@@ -316,9 +317,11 @@ def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
     keeps its own) where it is stored, then placed by the active (activation) layout.
 
     Under a ``param_layout`` that splits a weight further (FSDP) this is where it is gathered,
-    inside the layer scan when the model uses it there, and where its gradient is reduced back.
-    The cast is pinned to the parameter's own placement first: left alone, XLA's partitioner
-    moves the gather in front of the cast, and a bfloat16 model's gathers would move float32.
+    inside the layer scan when the model uses it there, and where its gradient is reduced back
+    (by :func:`_gathered` where the batch is split over an axis the parameter is not, such as a
+    hybrid layout's data axis). The cast is pinned to the parameter's own placement first: left
+    alone, XLA's partitioner moves the gather in front of the cast, and a bfloat16 model's
+    gathers would move float32.
     """
     active = _ACTIVE.get()
     if active is not None and _PARAMS_ON_HOST.get():
@@ -326,12 +329,71 @@ def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
         # layer of a scanned stack is sliced in host memory by the loop, then moved here).
         layout, mesh = active
         w = jax.device_put(w, layout.params.sharding(mesh, dims).with_memory_kind("device"))
-    if dtype is not None and w.dtype != dtype:
+    cast = dtype is not None and w.dtype != dtype
+    if cast:
         w = w.astype(dtype)
-        if active is not None and active[0].param_rules:
-            layout, mesh = active
-            w = jax.lax.with_sharding_constraint(w, _sharding(layout.params, mesh, dims))
-    return constrain(w, dims)
+    if active is None or not active[0].param_rules:
+        return constrain(w, dims)  # placed where it is stored already: nothing to gather
+    layout, mesh = active
+    _placing(layout, w, dims)
+    own, used = _sharding(layout.params, mesh, dims), _sharding(layout, mesh, dims)
+    if _summed_apart(layout, own, used):
+        return _gathered(w, own, used)
+    # Every axis the gradient is a partial sum over is one the parameter is split over: jax's
+    # own transpose is left as it is (an all-reduce over those axes and this device's slice of
+    # it, which XLA:GPU makes one reduce-scatter).
+    if cast:
+        w = jax.lax.with_sharding_constraint(w, own)
+    return jax.lax.with_sharding_constraint(w, used)
+
+
+def _summed_apart(layout: Layout, *shardings: NamedSharding) -> set[str]:
+    """The mesh axes (of more than one device) the batch is split over and none of `shardings`
+    splits a weight over: its gradient, a sum over the batch, is a partial sum over them. A
+    ``shard_map`` region's manual axes are left out (each device runs its own program there)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    batch = layout.axis("batch")
+    split = {a for s in shardings for e in s.spec if e is not None for a in _axis_names(e)}
+    sizes = dict(layout.axis_sizes)
+    return {a for a in (() if batch is None else _axis_names(batch)) if sizes[a] > 1} - split - manual
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(w: jax.Array, own: NamedSharding, used: NamedSharding) -> jax.Array:
+    """`w`, in its own placement `own`, gathered to `used` (the activations' layout) for
+    compute; its gradient is constrained to `own` only.
+
+    jax's own transpose would constrain the gradient to `used` first: the matmul's gradient is a
+    partial sum over every mesh axis the batch is split on, so XLA all-reduces the whole of it
+    over all of them and then keeps its own slice. Where the batch is split over an axis the
+    weight is not (a hybrid layout: batch over ``(data,fsdp)``, weights over ``fsdp``; FSDP
+    within a node, data parallel across nodes) that all-reduce spans both axes, the slow link
+    between nodes included, with the whole gradient (XLA:GPU's pass that splits such an
+    all-reduce into a reduce-scatter and an all-reduce leaves the layer scan's alone, where the
+    weights' gradients are made). Constrained to `own` alone, the partitioner reduce-scatters
+    over the weight's own axes and all-reduces only that shard over the rest: each link moves
+    no more than the layout needs."""
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(w, own), used)
+
+
+def _gathered_fwd(w: jax.Array, own: NamedSharding, used: NamedSharding) -> tuple[jax.Array, None]:
+    return _gathered(w, own, used), None
+
+
+def _gathered_bwd(own: NamedSharding, used: NamedSharding, _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.with_sharding_constraint(g, own),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def _placing(layout: Layout, x: jax.Array, dims: Sequence[str | None]) -> None:
+    """Record `dims` (within :func:`recording`) and check `x`'s shape against `layout`, at trace
+    time, before `x` is placed by it."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.update(d for d in dims if d is not None)
+    layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
 
 
 def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
@@ -344,8 +406,5 @@ def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
-    seen = _SEEN.get()
-    if seen is not None:
-        seen.update(d for d in dims if d is not None)
-    layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
+    _placing(layout, x, dims)
     return jax.lax.with_sharding_constraint(x, _sharding(layout, mesh, dims))
