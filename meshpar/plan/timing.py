@@ -32,14 +32,18 @@ from its operands' shapes (all-gather: the gathered result), its devices from
 ``replica_groups`` (explicit ``{{0,1},...}``, iota ``[4,2]<=[8]``, or mesh-axes
 ``mesh[...] {...}`` form) or ``source_target_pairs``, mapped onto the mesh by partition index
 (partition i is the i-th device of the mesh in row-major order), so the axis is the set of
-mesh axes a group spans. It runs on the link of that axis (``Topology.axis_link``), priced as a
-ring collective (:func:`meshpar.plan.cost.collective_seconds`: bytes × ring factor / bandwidth +
-latency × steps).
+mesh axes a group spans. It runs on the link of that axis (``Topology.axis_link``), priced by
+:func:`meshpar.plan.cost.collective_seconds`: from the link's measured NCCL curve where its
+topology file gives one (:mod:`meshpar.plan.kernels`), else as a ring (bytes × ring factor /
+bandwidth + latency × steps).
 
 **Compute.** Each op the program runs (a fusion, a library call, a copy; loop bodies once per
-trip) takes the longer of its FLOPs at the device's peak for the compute dtype × the topology's
-efficiency, and its bytes at the device's memory bandwidth — a roofline per op, summed. The
-bytes are what the op reads and writes in device memory: of each operand, what it reads of it
+trip) is priced by the machine's components. On a GPU (a topology with ``kernels:``,
+:mod:`meshpar.plan.kernels`): a GEMM by its shape (tiles in waves over the SMs, at the share of
+the dtype's peak a large GEMM sustains), fused attention likewise, every other kernel by its
+bytes at the achieved bandwidth (or its FLOPs on the CUDA cores), each at least its bytes, plus
+the fixed cost every kernel pays. On ``cpu-sim``: the longer of its FLOPs at the measured matmul
+rate and its bytes at the host's rates — a roofline per op. The bytes are what the op reads and writes in device memory: of each operand, what it reads of it
 — a fusion what its body reads of that parameter (a ``dynamic-slice``, ``slice`` or ``gather``
 of it: that part, through bitcasts, reshapes, transposes and converts; a nested fusion: what
 that one reads), so that a rolled layer loop reading one layer's slice of stacked weights per
@@ -51,8 +55,15 @@ update is priced the same way. The FLOP bound alone (``flops_s``) is what a plai
 model gives; it undercounts every step whose ops are small or elementwise (optimizer updates,
 norms, softmax, thin matmuls), which are bound by memory on GPUs and CPUs alike. Simulated CPU
 devices share the host's memory and caches: each gets a share of the host's rates, faster
-for ops whose data fits in the host's last-level cache (:func:`memory`). Per-op launch costs
-are not modelled. :func:`op_costs` lists every op with its FLOPs and bytes.
+for ops whose data fits in the host's last-level cache (:func:`memory`). :func:`op_costs` lists
+every op with its FLOPs and bytes.
+
+**The schedule.** The ops run in the order of the scheduled text on two streams (:class:`_Pricer`):
+compute one op after another; an async collective (``X-start`` … ``X-done``) from when it is
+issued and the link is free, its ``-done`` waiting for it, so compute XLA placed between the
+two hides it up to that compute; a synchronous collective holds both. A loop runs its body its
+trip count times. The step is when both streams are done (``total_s``); ``hidden_s`` is the
+collective time that overlapped compute.
 
 **What the model takes from the backend.** The HLO read is the one compiled for the target: a
 GPU's program from XLA's GPU compiler (deviceless on a host without one,
@@ -63,11 +74,9 @@ own (reduce-scatter + all-gather pairs, async forms); its fusions set the bytes.
 prices the CPU's choices: for a gradient all-reduce that is the same bytes on the wire as a
 GPU's reduce-scatter + all-gather pair (2(n−1)/n either way), so the totals agree even where
 the op names differ, but its fusions (and so its bytes) are the CPU's. The program tells what
-XLA chose, not how long its kernels take: each op is priced at the roofline, so kernels below
-their roofline (small GEMMs, Triton's or cuBLAS's choice of tiles) are not modelled.
-Collectives are assumed not to overlap compute (true of XLA:CPU, which runs them in program
-order; on GPU async collectives may hide part of them, so the figure is an upper bound there).
-The feed overlaps compute when ``feed.prefetch`` ≥ 1 (a background thread places the next
+XLA chose; how long its kernels take comes from the component costs (a GEMM's tiles are
+assumed 128 × 128 whatever Triton or cuBLAS picks; split-K is not modelled). XLA:CPU's
+collectives are synchronous, so nothing hides there. The feed overlaps compute when ``feed.prefetch`` ≥ 1 (a background thread places the next
 batch while the step runs): only the part of the feed longer than the compute is exposed; with
 prefetch 0 the whole feed is.
 """
