@@ -368,7 +368,10 @@ def main(argv=None) -> int:
         results.append({"source": row.source, "name": row.name, "group": row.group, "topology": row.topology,
                         "measured_s": row.measured_s, "predicted_s": t.total_s, "error": err,
                         "compute_s": t.compute_s, "collective_s": t.collective_s, "hidden_s": t.hidden_s,
-                        "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis})  # fmt: skip
+                        "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis,
+                        "components": t.components,
+                        "collectives": [{"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "seconds": c.seconds}
+                                        for c in t.collectives]})  # fmt: skip
         print(f"{row.name:52s} {row.measured_s * 1e3:8.1f}ms {t.total_s * 1e3:8.1f}ms {err:+7.1%}  "
               f"{t.compute_s * 1e3:.1f} / {t.collective_s * 1e3:.1f} ({t.hidden_s * 1e3:.1f}) / {t.kernels}", flush=True)  # fmt: skip
     if not results:
