@@ -177,9 +177,7 @@ def main(argv=None) -> int:
         "gemm": gemms(DRY_GEMMS if args.dry_run else GEMMS, args.repeats, topo),
         "launch": launch(args.repeats, topo, 16 if args.dry_run else 256),
         "bandwidth": bandwidth(mib if args.dry_run else 2048 * mib, args.repeats, topo),
-        "allreduce": allreduce(
-            [mib] if args.dry_run else [mib, 4 * mib, 16 * mib, 64 * mib, 256 * mib], args.repeats, topo
-        ),  # fmt: skip
+        "allreduce": allreduce([mib] if args.dry_run else [mib << k for k in range(0, 9, 2)], args.repeats, topo),
     }
 
     def fmt(row: dict) -> str:
