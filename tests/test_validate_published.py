@@ -22,7 +22,7 @@ def test_every_row_becomes_a_valid_config_with_its_layout():
     for row in rows:
         cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
         config_lib.check(cfg)
-        assert cfg.train.batch_size * 1 > 0 and row.measured_s > 0
+        assert cfg.train.batch_size > 0 and row.measured_s > 0
     tp2 = next(r for r in rows if r.name.endswith("TP2 DP1 PP1 micro 4"))
     cfg = config_lib.from_dict(tp2.config)
     # Megatron's tensor parallelism: heads, MLP and vocabulary over `model`; 16 / (4 × 1) = 4 microbatches.

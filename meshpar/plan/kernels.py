@@ -200,9 +200,9 @@ def _dims(lhs: tuple[int, ...], rhs: tuple[int, ...], numbers: dict[str, list[in
     k = math.prod(pick(lhs, "lhs", "contracting_dims"))
     lhs_skip = {*numbers.get("lhs_batch_dims", []), *numbers.get("lhs_contracting_dims", [])}
     rhs_skip = {*numbers.get("rhs_batch_dims", []), *numbers.get("rhs_contracting_dims", [])}
-    m = math.prod(n for i, n in enumerate(lhs) if i not in lhs_skip)
-    n = math.prod(n for i, n in enumerate(rhs) if i not in rhs_skip)
-    return Gemm(batch, m, n, k, dtype)
+    rows = math.prod(size for i, size in enumerate(lhs) if i not in lhs_skip)
+    columns = math.prod(size for i, size in enumerate(rhs) if i not in rhs_skip)
+    return Gemm(batch, rows, columns, k, dtype)
 
 
 def gemm(module: hlo.Module, computation: str, op: hlo.Op) -> Gemm | None:

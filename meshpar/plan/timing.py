@@ -43,7 +43,8 @@ trip) is priced by the machine's components. On a GPU (a topology with ``kernels
 the dtype's peak a large GEMM sustains), fused attention likewise, every other kernel by its
 bytes at the achieved bandwidth (or its FLOPs on the CUDA cores), each at least its bytes, plus
 the fixed cost every kernel pays. On ``cpu-sim``: the longer of its FLOPs at the measured matmul
-rate and its bytes at the host's rates — a roofline per op. The bytes are what the op reads and writes in device memory: of each operand, what it reads of it
+rate and its bytes at the host's rates — a roofline per op. The bytes are what the op reads and
+writes in device memory: of each operand, what it reads of it
 — a fusion what its body reads of that parameter (a ``dynamic-slice``, ``slice`` or ``gather``
 of it: that part, through bitcasts, reshapes, transposes and converts; a nested fusion: what
 that one reads), so that a rolled layer loop reading one layer's slice of stacked weights per
@@ -76,7 +77,8 @@ GPU's reduce-scatter + all-gather pair (2(n−1)/n either way), so the totals ag
 the op names differ, but its fusions (and so its bytes) are the CPU's. The program tells what
 XLA chose; how long its kernels take comes from the component costs (a GEMM's tiles are
 assumed 128 × 128 whatever Triton or cuBLAS picks; split-K is not modelled). XLA:CPU's
-collectives are synchronous, so nothing hides there. The feed overlaps compute when ``feed.prefetch`` ≥ 1 (a background thread places the next
+collectives are synchronous, so nothing hides there. The feed overlaps compute when
+``feed.prefetch`` ≥ 1 (a background thread places the next
 batch while the step runs): only the part of the feed longer than the compute is exposed; with
 prefetch 0 the whole feed is.
 """
@@ -506,13 +508,11 @@ class _Span:
 
     seconds: float = 0.0  # until its last op (compute or collective) is done
     compute_s: float = 0.0  # its compute ops, one after another
-    collective_s: float = 0.0  # its collectives, each priced alone
     kernels: int = 0  # kernels launched (fusions, library calls, copies…)
     components: dict[str, float] = dataclasses.field(default_factory=dict)  # compute seconds by component
 
     def add(self, other: _Span, times: int = 1) -> None:
         self.compute_s += times * other.compute_s
-        self.collective_s += times * other.collective_s
         self.kernels += times * other.kernels
         for name, seconds in other.components.items():
             self.components[name] = self.components.get(name, 0.0) + times * seconds
@@ -520,12 +520,11 @@ class _Span:
 
 class _Pricer:
     """Prices a parsed program on a machine: every op by `op_seconds`, every collective by
-    `collective_seconds`, run as XLA scheduled them (see :func:`_run`)."""
+    `collective_seconds`, run as XLA scheduled them (see :meth:`run`)."""
 
     def __init__(self, module: hlo.Module, mesh_shape: dict[str, int], op_seconds, collective_seconds):
         self.module, self.mesh_shape = module, mesh_shape
         self.op_seconds, self.collective_seconds = op_seconds, collective_seconds
-        self.flops_of = hlo.flops_of(module)
         self.memo: dict[str, _Span] = {}
 
     def run(self, computation: str) -> _Span:
@@ -553,10 +552,10 @@ class _Pricer:
                     compute_t = max(compute_t, started)
                 continue
             kind = _kind(code)
-            if kind or (code == "async-start" and self._wrapped_collective(op)):
-                found = _found(self.module, computation, self._collective_op(op), 1, self.mesh_shape)
+            collective = self._collective_op(op)
+            if kind or collective is not op:
+                found = _found(self.module, computation, collective, 1, self.mesh_shape)
                 seconds = self.collective_seconds(found) if found else 0.0
-                span.collective_s += seconds
                 begin = max(compute_t, link_t)
                 link_t = begin + seconds
                 if code.endswith("-start"):
@@ -585,10 +584,6 @@ class _Pricer:
         self.memo[computation] = span
         return span
 
-    def _wrapped_collective(self, op: hlo.Op) -> bool:
-        inner = self._collective_op(op)
-        return inner is not op
-
     def _collective_op(self, op: hlo.Op) -> hlo.Op:
         """A generic ``async-start``'s wrapped collective (the op its called computation runs),
         else the op itself."""
@@ -614,7 +609,8 @@ def _gpu_op_seconds(module: hlo.Module, topology):
         name = hlo.target(inner)
         gemm = kernels.gemm(module, computation, op)
         if gemm is not None:
-            work, component = kernels.gemm_seconds(gemm, topology.peak(kernels.peak_dtype(gemm.dtype)), sms, costs), "gemm"
+            peak = topology.peak(kernels.peak_dtype(gemm.dtype))
+            work, component = kernels.gemm_seconds(gemm, peak, sms, costs), "gemm"
         elif name.startswith("__cudnn$fmha"):
             q = hlo.arrays(module.operand_shape(computation, inner, 0))
             peak = topology.peak(kernels.peak_dtype(q[0][0] if q else "bf16"))
@@ -640,7 +636,8 @@ def _roofline_op_seconds(module: hlo.Module, flop_rate: float, rates: _Memory):
     flops_of = hlo.flops_of(module)
 
     def seconds(computation: str, op: hlo.Op) -> tuple[float, int, str]:
-        flops, moving = hlo.op_flops(module, computation, op, flops_of), rates.seconds(_op_bytes(module, computation, op))
+        flops = hlo.op_flops(module, computation, op, flops_of)
+        moving = rates.seconds(_op_bytes(module, computation, op))
         return max(flops / flop_rate, moving), 1, "flop-bound" if flops / flop_rate >= moving else "memory-bound"
 
     return seconds
