@@ -301,6 +301,61 @@ def verdict(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The layout search on a group's model and batch
+
+
+def megatron_layout(option, microbatches: int, batch: int, devices: int) -> tuple[int, int, int, int] | None:
+    """A search choice as Megatron's (TP, DP, PP, micro batch), or None where it is not one of
+    Megatron's layouts (FSDP, the batch and the model dims on one axis, or devices left idle)."""
+    sizes = option.sizes
+    dp = math.prod(sizes[a] for a in option.batch)
+    tp = sizes.get("model", 1) if option.model else 1
+    pp = sizes.get("stage", 1) if option.stage else 1
+    if dp * tp * pp != devices or (option.fsdp and dp > 1) or (tp > 1 and "model" in option.batch):
+        return None
+    return tp, dp, pp, batch // (dp * microbatches)
+
+
+def row_layout(row: Row) -> tuple[int, int, int, int]:
+    """A published row's (TP, DP, PP, micro batch), from the meshpar config it became."""
+    mesh = dict(tuple(a.split(":")) for a in row.config["mesh"].split(","))
+    tp, dp, pp = (int(mesh.get(a, 1)) for a in ("model", "data", "stage"))
+    train = row.config["train"]
+    return tp, dp, pp, train["batch_size"] // (dp * train["microbatches"])
+
+
+def _layout_name(key: tuple[int, int, int, int] | None) -> str:
+    return "not one of Megatron's layouts" if key is None else "TP{} DP{} PP{} micro {}".format(*key)
+
+
+def search_group(rows: list[Row]) -> dict:
+    """``python -m meshpar.plan --search`` for a group's model and global batch on its machine:
+    its recommendation, whether that layout was measured, and the first measured layout in its
+    ranking with its measured time over the group's fastest."""
+    from meshpar import config as config_lib
+    from meshpar.plan import search, topology
+
+    cfg = config_lib.from_dict(json.loads(json.dumps(rows[0].config)))
+    gpus = int(rows[0].group.split("x")[0])
+    started = time.perf_counter()
+    result = search.search(cfg, topology.load(rows[0].topology), gpus)
+    measured = {row_layout(r): r.measured_s for r in rows}
+    fastest = min(measured.values())
+    ranked = [(r, megatron_layout(r.option, r.cfg.train.microbatches, cfg.train.batch_size, gpus))
+              for r in result.rows if r.fits]  # fmt: skip
+    out = {"group": rows[0].group, "seconds": time.perf_counter() - started, "fastest_s": fastest,
+           "recommended": " ".join(ranked[0][0].overrides) if ranked else None,
+           "recommended_layout": _layout_name(ranked[0][1]) if ranked else None,
+           "recommended_measured_s": measured.get(ranked[0][1]) if ranked else None}  # fmt: skip
+    for i, (r, key) in enumerate(ranked):
+        if key in measured:
+            out.update(first_measured=_layout_name(key), first_measured_rank=i + 1,
+                       first_measured_s=measured[key], slower_by=measured[key] / fastest - 1)  # fmt: skip
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def select(vtrain: list[Row], jax_: list[Row], sample: int | None, groups: int | None, seed: int,
@@ -335,6 +390,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
     parser.add_argument("--cache", default=str(ROOT / "runs" / "published-hlo"), help="compiled HLO cache")
     parser.add_argument("--json", help="write every row and the summary here")
+    parser.add_argument("--search", action="store_true",
+                        help="also run the layout search on each selected group's model and batch")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         folder = _published_dir(args.published)
@@ -386,12 +443,30 @@ def main(argv=None) -> int:
         print(f"group {name} ({g['rows']} rows): Spearman {g['spearman']:.2f}, predicted best "
               f"{g['predicted_best']!r} measured {g['best_slower_by']:.1%} slower than the fastest")  # fmt: skip
     missed = verdict(summary) + [f"{f['name']}: cannot be planned" for f in failed]
+    searches = []
+    for name in summary["groups"] if args.search else ():
+        s = search_group([r for r in rows if r.group == name])
+        searches.append(s)
+        said = f"measured {s['recommended_measured_s'] * 1e3:.1f} ms" if s["recommended_measured_s"] else "not measured"
+        print(
+            f"search {name} ({s['seconds']:.0f} s): recommends {s['recommended']} ({s['recommended_layout']}, {said})"
+        )
+        if "first_measured" not in s:
+            missed.append(f"{name}: the search ranks no measured layout")
+            continue
+        print(f"  first measured layout in its ranking: #{s['first_measured_rank']} {s['first_measured']}, "
+              f"{s['first_measured_s'] * 1e3:.1f} ms, {s['slower_by']:.1%} slower than the fastest "
+              f"({s['fastest_s'] * 1e3:.1f} ms)")  # fmt: skip
+        if s["slower_by"] > TARGETS["best_within"]:
+            missed.append(f"{name}: the search's first measured layout measured {s['slower_by']:.0%} slower "
+                          "than the fastest")  # fmt: skip
     print(
         f"{len(results)} rows priced in {time.perf_counter() - started:.0f} s; bases: "
         + "; ".join(sorted({r["basis"] for r in results}))
     )
     if args.json:
-        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "missed": missed}
+        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "searches": searches,
+               "missed": missed}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     for line in missed:
         print(f"missed: {line}")

@@ -5,9 +5,10 @@ import yaml
 
 from meshpar import config as config_lib
 from meshpar import experiment
+from meshpar import layout as layout_lib
 from meshpar.plan import __main__ as plan_cli
+from meshpar.plan import memory, search_report, topology
 from meshpar.plan import search as search_lib
-from meshpar.plan import search_report, topology
 
 # Batch 6 and hidden 6 do not divide 4 ways, only 2: the traps the legality checks must catch.
 SMALL = {
@@ -140,3 +141,25 @@ def test_layer_flops_are_the_traced_layers():
     family = MODELS["transformer"]
     assert prof.layers == family.num_layers(cfg.model)
     assert family.layer_flops(cfg.model, spec)[0] * 4 == pytest.approx(3 * prof.layer_flops)  # forward: a third
+
+
+def test_each_layout_gets_the_fewest_microbatches_that_fit():
+    # 1024 rows of 512 features: the activations outgrow a 12.5 MiB device unless split into
+    # microbatches (train.microbatches); the weights (two 512-wide layers) do not.
+    raw = {**SMALL, "model": {"name": "mlp", "hidden": [512, 512]}, "train": {**SMALL["train"], "batch_size": 1024}}
+    cfg = _cfg(raw, data={**SMALL["data"], "num_examples": 2048, "num_features": 512}, hardware={"memory_gib": 0.0125})
+    result = search_lib.search(cfg, topology.load("rtx4090-x4"), 4, top=0)
+    usable = result.capacity.usable_bytes
+    split = [r for r in result.rows if r.fits and r.cfg.train.microbatches > 1]
+    assert split, [(r.cfg.mesh_str, r.cfg.layout_str, r.cfg.train.microbatches, r.memory_bytes) for r in result.rows]
+    for row in split:  # half as many microbatches on the same layout does not fit
+        k = row.cfg.train.microbatches
+        fewer = search_lib.with_layout(row.cfg, row.cfg.mesh_str, row.cfg.layout_str,
+                                       layout_lib.format_rules(row.cfg.param_layout), False, k // 2)  # fmt: skip
+        assert memory.analytic(fewer).total > usable, (row.cfg.mesh_str, row.cfg.layout_str, k)
+        assert f"train.microbatches={k}" in row.overrides  # the choice says how to run it
+    assert all(r.cfg.train.microbatches == 1 for r in result.rows if r.fits and r not in split)
+    js = search_lib.to_json(result)
+    assert {r["microbatches"] for r in js["rows"] if r["fits"]} == {
+        r.cfg.train.microbatches for r in result.rows if r.fits
+    }

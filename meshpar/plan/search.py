@@ -13,10 +13,20 @@ axis ``stage`` of every size that divides both the layers and the devices, first
 (its neighbours the furthest apart: a pipeline moves the fewest bytes of any split, one
 microbatch's activations per tick, so it takes the slowest link), carrying ``layers:stage`` and
 nothing else (:mod:`meshpar.pipeline`). Every other dim is replicated; the config's other
-sections (remat, microbatches, feed, the pipeline's schedule where there is a stage axis, ...)
-are kept: ``train.microbatches`` are a stage axis's pipeline microbatches, and where they
-cannot run (fewer than the stages under the circular schedule, or a batch that does not split
-into them) the choice is illegal.
+sections (remat, feed, the pipeline's schedule where there is a stage axis, ...) are kept.
+
+**Microbatches** (``train.microbatches``, :func:`microbatch_counts`): each choice is planned with
+counts that divide the rows one device holds. With a stage axis of S stages they are the
+pipeline's, and every count of at least S is a candidate of its own (fewer leave most of each
+tick idle: the bubble is (S − 1)/M of the ticks), ranked like any other: more shrink the bubble,
+and cost a permute per tick and smaller matmuls. Without one they are gradient accumulation's,
+which only saves memory: the same FLOPs in k passes, each with its own launches and gradient
+reduction (the accumulation loop reduces each microbatch's gradients:
+:func:`meshpar.trainer.accumulate`); so each layout gets the fewest that fit, tried in
+ascending order (stopping where one more no longer lowers the bytes: from two microbatches on,
+the float32 running sum is there and only the activations shrink), and the config's own count
+on its own layout besides. A count that does not split the batch, or fewer than the stages
+under the circular schedule, is illegal.
 
 **Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
 onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
@@ -45,19 +55,20 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
   its efficiency;
 * memory — bytes a step moves in device memory: the state read and written by the update
   (2 × (params + grads + optimizer)) and the saved activations written, read, and their
-  cotangents written and read (4 × activations), from the memory plan, at the device's rate
-  (:func:`meshpar.plan.timing.memory`); added to compute, not overlapped (the model is a
-  ranking, not a roofline);
+  cotangents written and read (4 × activations, per microbatch), and with k microbatches
+  the running sum read and written by each after the first (2 × grads × (k − 1)), from the
+  memory plan, at the device's rate (:func:`meshpar.plan.timing.memory`); added to compute,
+  not overlapped (the model is a ranking, not a roofline);
 * gradients — each parameter's gradient all-reduced over the batch axes it is not split on
   (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
   reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
-  and axis (XLA combines the small ones);
+  and axis (XLA combines the small ones); once per microbatch of gradient accumulation;
 * activations — with the model dims split n ways, the all-reduces over the ``model`` axis
   the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
   Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
   and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
   the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
-  compute dtype;
+  compute dtype (with k microbatches of accumulation, k times as many, of 1/k the rows);
 * pipeline (a stage axis; :mod:`meshpar.plan.stages`) — the compute of the layer stack
   (its share of the family's FLOPs, :attr:`meshpar.models.Family.layer_flops`) over S stages
   and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
@@ -89,13 +100,12 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, compile_cache, parts, pipeline, throughput, trainer
-from meshpar import inputs as inputs_lib
+from meshpar import aot, compile_cache, models, parts, pipeline, throughput, trainer
 from meshpar import config as config_lib
+from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
-from meshpar import models
 from meshpar.plan import candidates, cost, gpu_target, memory, offload_cost, offload_plan, stages, timing, unified
 from meshpar.plan.report import fmt_bytes
 
@@ -115,6 +125,7 @@ class Option:
     fsdp: bool  # parameters and optimizer state also split over the batch axes
     added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
     stage: bool = False  # the layer stack over the stage axis (a pipeline); the stage axis carries nothing else
+    microbatches: int = 1  # train.microbatches: gradient accumulation's, or the pipeline's
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -135,7 +146,12 @@ class Option:
         for a, n in self.mesh:
             if n == 1:
                 continue
-            role = [n, batch.index(a) if a in batch else -1, self.model and a == MODEL_AXIS, self.stage and a == STAGE_AXIS]
+            role = [
+                n,
+                batch.index(a) if a in batch else -1,
+                self.model and a == MODEL_AXIS,
+                self.stage and a == STAGE_AXIS,
+            ]
             last = merged[-1] if merged else None
             busy = last and (last[2] or last[3] or role[2] or role[3])
             if last and not busy and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
@@ -144,7 +160,7 @@ class Option:
                 merged.append(role)
         order = sorted(b for _, b, _, _ in merged if b >= 0)
         roles = tuple((n, order.index(b) if b >= 0 else -1, m, st) for n, b, m, st in merged)
-        return roles, self.fsdp and len(batch) > 0
+        return roles, self.fsdp and len(batch) > 0, self.microbatches
 
     def oddness(self) -> tuple[int, int]:
         """Rules that split nothing, and the batch on the model axis: the fewer, the plainer."""
@@ -199,11 +215,15 @@ def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, elem
     return layout_lib.format_rules(layout), param_layout
 
 
-def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str, stage: bool = False) -> Config:
-    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is); without
-    a stage axis (`stage`), without the pipeline's settings either."""
+def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str, stage: bool = False,
+                microbatches: int | None = None) -> Config:  # fmt: skip
+    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is), and its
+    ``train.microbatches`` where `microbatches` is given; without a stage axis (`stage`), without
+    the pipeline's settings either."""
     raw = config_lib.to_dict(cfg)
     raw.update(mesh=mesh, layout=layout, param_layout=param_layout)
+    if microbatches is not None:
+        raw["train"] = {**raw["train"], "microbatches": microbatches}
     if not stage and "pipeline" in raw:
         raw["pipeline"] = {**raw["pipeline"], "schedule": "gpipe", "repeats": 1}
     return config_lib.from_dict(raw)
@@ -264,7 +284,9 @@ def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], comp
     return out
 
 
-def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims) -> Estimate:
+def estimate(
+    cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims
+) -> Estimate:
     """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
     sizes = option.sizes
     spec, family = step.element_spec, models.family(cfg.model.name)
@@ -279,18 +301,23 @@ def estimate(cfg: Config, option: Option, step: parts.AbstractStep, breakdown: m
     flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
-    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"]
+    # gradient accumulation (no stage axis): k passes over one microbatch's residuals each, and
+    # k reductions of the gradients (the accumulation loop reduces each microbatch's: meshpar.trainer.accumulate)
+    k = cfg.train.microbatches if sched is None else 1
+    summed = 2 * c["grads"] * (k - 1)  # each further microbatch reads and writes the running sum
+    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
     memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
     itemsize = jax.numpy.dtype(dtype).itemsize
-    gradient_s = sum(
+    gradient_s = k * sum(
         cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
         for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
     )
     activation_s = 0.0
     if model_ways > 1 and family.activation_all_reduces is not None:
-        count, elements = family.activation_all_reduces(cfg.model, spec, cfg.train.batch_size // batch_ways, dims)
+        rows = cfg.train.batch_size // batch_ways // k  # one microbatch's: k times as many, each 1/k the size
+        count, elements = family.activation_all_reduces(cfg.model, spec, rows, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
-        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count) * scale
+        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count * k) * scale
     pipeline_s = 0.0
     if sched is not None:
         width = getattr(cfg.model, "d_model", 0)  # the stack's [batch, length, embed] activations
@@ -330,6 +357,7 @@ class Row:
     compile_s: float = 0.0
     compiled: object = dataclasses.field(default=None, repr=False)  # the train step, when compiled
     replaces_param_layout: bool = False  # the config has a param_layout of its own
+    given_microbatches: int = 1  # the config's own train.microbatches
 
     @property
     def step_s(self) -> float:
@@ -345,6 +373,8 @@ class Row:
         pairs = [("mesh", self.cfg.mesh_str), ("layout", self.cfg.layout_str)]
         if self.cfg.param_layout or self.replaces_param_layout:
             pairs.append(("param_layout", layout_lib.format_rules(self.cfg.param_layout)))
+        if self.cfg.train.microbatches != self.given_microbatches:
+            pairs.append(("train.microbatches", str(self.cfg.train.microbatches)))
         return [shlex.quote(f"{k}={v or '{}'}") for k, v in pairs]
 
 
@@ -395,7 +425,35 @@ def _same_rules(a, b) -> bool:
 
 def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) -> bool:
     mesh = {a: n for a, n in option.mesh if not (a in (option.added, STAGE_AXIS) and n == 1)}
-    return mesh == own_mesh and _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
+    same = _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
+    return mesh == own_mesh and same and option.microbatches == cfg.train.microbatches
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(cfg: Config, option: Option, own_choice: tuple) -> list[int]:
+    """The ``train.microbatches`` the search plans `option` with, in the order it tries them
+    (see the module docstring): each count that divides a device's rows; with a stage axis of S
+    stages those of at least S (fewer leave most of every tick idle), else the largest; without
+    one, ascending (the search keeps the first that fits), and the config's own count on its own
+    layout."""
+    ways = math.prod(option.sizes[a] for a in option.batch)
+    rows = cfg.train.batch_size // ways if cfg.train.batch_size % ways == 0 else 0
+    counts = _divisors(rows) if rows else [cfg.train.microbatches]
+    if option.stage:
+        stages_ = option.sizes[STAGE_AXIS]
+        return [k for k in counts if k >= stages_] or counts[-1:]
+    if _choice(option) == own_choice and cfg.train.microbatches in counts:
+        counts = counts[: counts.index(cfg.train.microbatches) + 1]
+    return counts
+
+
+def _choice(option: Option) -> tuple:
+    """The option as the config's own choice is written: (mesh, batch axes, model split, FSDP, stage axis)."""
+    mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
+    return mesh, option.batch, option.model, option.fsdp, option.stage
 
 
 def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
@@ -429,8 +487,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     )  # fmt: skip
 
     def preference(option: Option) -> tuple:  # the config's own first, then the plainest
-        mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
-        return ((mesh, option.batch, option.model, option.fsdp, option.stage) != own_choice, *option.oddness())
+        return (_choice(option) != own_choice, *option.oddness())
 
     kept: dict[tuple, Option] = {}
     for option in options:  # one of each group of duplicates
@@ -446,22 +503,47 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
         try:
             layout, param_layout = rules(option, dims, params, cfg, spec)
-            new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage)
-            mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
-            step = parts.abstract_step(new, mesh, spec)
-            breakdown = memory.analytic(new, step)
-        except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
-            key = getattr(e, "key", None) or ("layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__)
-            illegal[key] = illegal.get(key, 0) + 1
+        except ConfigError as e:
+            illegal[e.key] = illegal.get(e.key, 0) + 1
             continue
-        cap = cap or cost.machine_capacity(cfg, topo, mesh)
-        fits = breakdown.total <= cap.usable_bytes
-        est = estimate(new, option, step, breakdown, topo, dims)
-        if cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
-            est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, topo, cap))
-        own = _is_own(cfg, option, new, own_mesh)
-        row = Row(option, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout))
-        rows.append(row)
+        counts = microbatch_counts(cfg, option, own_choice)
+        own_layout = _choice(option) == own_choice
+        last, least, found = None, None, False
+        for k in counts:
+            try:
+                new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
+                mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
+                step = parts.abstract_step(new, mesh, spec)
+                breakdown = memory.analytic(new, step)
+            except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
+                key = getattr(e, "key", None) or (
+                    "layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__
+                )
+                illegal[key] = illegal.get(key, 0) + 1
+                if key == "train.microbatches":
+                    continue
+                break  # the layout itself is illegal, whatever the microbatches
+            chosen = dataclasses.replace(option, microbatches=k)
+            cap = cap or cost.machine_capacity(cfg, topo, mesh)
+            fits = breakdown.total <= cap.usable_bytes
+            est = estimate(new, chosen, step, breakdown, topo, dims)
+            if cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
+                est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, topo, cap))
+            own = _is_own(cfg, chosen, new, own_mesh)
+            row = Row(chosen, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout),
+                      given_microbatches=cfg.train.microbatches)  # fmt: skip
+            if option.stage or own or (fits and not found):
+                rows.append(row)
+            found = found or fits
+            # from 2 microbatches on (the first adds the float32 running sum) more only save bytes
+            # while the activations of one microbatch are still worth halving
+            falls = last is None or last.cfg.train.microbatches == 1 or row.memory_bytes < last.memory_bytes
+            least = row if least is None or row.memory_bytes < least.memory_bytes else least
+            last = row
+            if not option.stage and ((found and k >= counts[-1 if own_layout else 0]) or not falls):
+                break  # gradient accumulation: the fewest microbatches that fit, or no more bytes saved
+        if not (option.stage or found) and least is not None and least not in rows:
+            rows.append(least)  # nothing fits: its fewest bytes, as its one row
     if cap is None:  # nothing legal: the capacity of these devices, for the report
         cap = cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
@@ -528,7 +610,8 @@ def to_json(result: Result) -> dict:
     for r in result.rows:
         rows.append({
             "mesh": r.cfg.mesh_str, "layout": r.cfg.layout_str,
-            "param_layout": layout_lib.format_rules(r.cfg.param_layout), "own": r.own, "fits": r.fits,
+            "param_layout": layout_lib.format_rules(r.cfg.param_layout), "microbatches": r.cfg.train.microbatches,
+            "own": r.own, "fits": r.fits,
             "step_s": r.step_s, "memory_bytes": r.memory_bytes, "xla_bytes": r.xla_bytes,
             "estimate": {**dataclasses.asdict(r.estimate), "total_s": r.estimate.total_s},
             "predicted": r.predicted and timing.to_json(r.predicted), "compile_s": r.compile_s,
