@@ -184,6 +184,21 @@ class Layout:
         named = {dim for dim, _ in extra}
         return Layout((*((d, a) for d, a in self.rules if d not in named), *extra), self.axis_sizes)
 
+    def without(self, axes: Collection[str]) -> Layout:
+        """This layout as a ``shard_map`` region manual over `axes` sees it: every rule (and
+        ``param_layout`` rule) without those axes, a rule left with none dropped. Inside, each
+        device holds its own block of a dim split over them, which nothing splits further."""
+
+        def keep(rules):
+            out = []
+            for dim, a in rules:
+                left = tuple(x for x in _axis_names(a) if x not in axes)
+                if left:
+                    out.append((dim, left[0] if len(left) == 1 else left))
+            return tuple(out)
+
+        return dataclasses.replace(self, rules=keep(self.rules), param_rules=keep(self.param_rules))
+
     def __str__(self) -> str:
         return format_rules(self.rules)
 

@@ -42,7 +42,9 @@ def make_optimizer(cfg: OptimizerConfig, decay_steps: int) -> optax.GradientTran
         decay = optax.cosine_decay_schedule(cfg.learning_rate, max(decay_steps - cfg.warmup_steps, 1))
     else:
         decay = optax.constant_schedule(cfg.learning_rate)
-    lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), decay], [cfg.warmup_steps])
+    lr = optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), decay], [cfg.warmup_steps]
+    )
     opt = {
         "adam": lambda: optax.adam(lr, b1=cfg.b1, b2=cfg.b2),
         "adamw": lambda: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
@@ -221,6 +223,9 @@ def make_train_step(
     microbatches are the pipeline's, and the gradients of the whole batch come from one pass."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
     keep = offload_lib.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
+    # jax cannot move host arrays in a partially manual region ("Unhandled OpSharding type"):
+    # with offloaded parameters each microbatch's gradients are reduced as it is accumulated
+    local = () if params_on_host or schedule is not None else reduced_once(layout, mesh, state_shardings.params)
 
     def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -239,6 +244,10 @@ def make_train_step(
         ):
             if microbatches == 1 or schedule is not None:
                 (loss, aux), grads = grad_fn(state.params, batch, step_rng)
+            elif local:
+                (loss, aux), grads = accumulate_locally(
+                    grad_fn, state.params, batch, step_rng, microbatches, state_shardings.params, layout, mesh, local
+                )
             else:
                 param_shardings = state_shardings.params
                 (loss, aux), grads = accumulate(grad_fn, state.params, batch, step_rng, microbatches, param_shardings)
@@ -264,10 +273,12 @@ def make_train_step(
     )
 
 
-def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State):
+def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State,
+               reduce: bool = True):  # fmt: skip
     """``grad_fn(params, batch, key) -> ((loss, aux), grads)`` over k microbatches of `batch`, in
     a ``lax.scan``: gradients summed in float32 (kept in the parameters' shardings), then the
-    means of gradients, losses and metrics — the full batch's, as the microbatches are equal.
+    means of gradients, losses and metrics — the full batch's, as the microbatches are equal
+    (``reduce=False``: the float32 sums instead of the gradients' means).
     Parameters in host memory (offload) give host gradients: each is brought to the devices
     before it is added, and the sum stays there."""
     micro = {name: pipeline.split_microbatches(x, k) for name, x in batch.items()}
@@ -280,6 +291,7 @@ def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, 
         i, mb = xs
         (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
         grads = offload_lib.fetch(grads, own_shardings)
+
         def add(t, g, s):  # the running sum, in float32, kept in the parameter's sharding
             return jax.lax.with_sharding_constraint(t + g.astype(jnp.float32), s)
 
@@ -287,8 +299,74 @@ def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, 
         return total, (loss, aux)
 
     total, (losses, aux) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+    if not reduce:  # the float32 sums, for the caller to reduce (accumulate_locally)
+        return (losses.mean(), jax.tree.map(lambda a: a.mean(), aux)), total
     grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
     return (losses.mean(), jax.tree.map(lambda a: a.mean(), aux)), grads
+
+
+def reduced_once(layout: layout_lib.Layout, mesh: Mesh, param_shardings: Any) -> tuple[str, ...]:
+    """The mesh axes over which gradient accumulation sums each device's gradients locally and
+    reduces them once per step (:func:`accumulate_locally`): the leading axes of the batch's rule,
+    of more than one device, that no parameter, no ``param_layout`` rule and no other dim is split
+    over (there each device computes whole weights' gradients for its own rows). Empty where
+    the first batch axis splits something else too (FSDP over it: each microbatch's gradient is
+    reduce-scattered to the shard the device keeps, as before)."""
+    batch = layout.axis("batch")
+    if batch is None:
+        return ()
+    taken = {a for d, axes in (*layout.rules, *layout.param_rules) if d != "batch" for a in _names(axes)}
+    taken |= {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in _names(entry)}
+    out = []
+    for a in _names(batch):
+        if a in taken:
+            break
+        out.append(a)
+    sizes = dict(mesh.shape)
+    return tuple(a for a in out if sizes[a] > 1)
+
+
+def _names(axes) -> tuple[str, ...]:
+    """A rule's (or a PartitionSpec entry's) mesh axes as a tuple: None → ``()``."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def accumulate_locally(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State,
+                       layout: layout_lib.Layout, mesh: Mesh, axes: tuple[str, ...]):  # fmt: skip
+    """:func:`accumulate`, with each device summing the gradients of its own rows over the k
+    microbatches and the devices reducing the sum once, at the end: one all-reduce over `axes`
+    (:func:`reduced_once`) per step instead of one per microbatch, as data-parallel trainers
+    accumulate (PyTorch DDP's ``no_sync``; Megatron reduces after the last microbatch).
+
+    A ``jax.shard_map`` manual over `axes` (every other axis left to the partitioner, the model
+    traced under :meth:`meshpar.layout.Layout.without` them): each device runs the accumulation
+    on its block of the batch, its microbatches the rows :func:`meshpar.pipeline.split_microbatches`
+    gives it in the whole-batch form. The model's loss is a mean over rows, and every device
+    holds as many, so the mean of the devices' losses and gradients is the batch's — the same
+    training to float reassociation. Dropout draws each device's bits from the microbatch's key
+    folded with the device's index along `axes` (the masks differ from the whole-batch program's,
+    not their distribution)."""
+    n = 1
+    for a in axes:
+        n *= dict(mesh.shape)[a]
+    split = PartitionSpec(axes[0] if len(axes) == 1 else axes)
+    local_layout = layout.without(axes)
+
+    def body(params, batch, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+        abstract = jax.sharding.get_abstract_mesh()
+        shardings = jax.tree.map(lambda s: NamedSharding(abstract, s.spec), param_shardings)
+        with layout_lib.activate(local_layout, mesh):
+            (loss, aux), grads = accumulate(grad_fn, params, batch, key, k, shardings, reduce=False)
+        total = jax.lax.psum(grads, axes)  # the float32 sums, once
+        grads = jax.tree.map(lambda t, p: (t / (k * n)).astype(p.dtype), total, params)
+        return (jax.lax.pmean(loss, axes), jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)), grads
+
+    batch_specs = {name: split for name in batch}
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(PartitionSpec(), batch_specs, PartitionSpec()), out_specs=PartitionSpec(),
+        axis_names=set(axes), check_vma=False,
+    )(params, batch, key)  # fmt: skip
 
 
 def make_eval_step(
@@ -305,7 +383,10 @@ def make_eval_step(
     params_on_host = offload_lib.any_on_host(param_shardings)
 
     def step(params: nnx.State, batch: dict) -> dict:
-        with layout_lib.activate(layout, mesh, params_on_host), pipeline.running(schedule):  # offloaded weights fetched where used
+        with (
+            layout_lib.activate(layout, mesh, params_on_host),
+            pipeline.running(schedule),
+        ):  # offloaded weights fetched where used
             loss, aux = nnx.merge(graphdef, params).loss(batch, rngs=None)
         return {"loss": loss, **aux}
 

@@ -1,6 +1,6 @@
 """The step-time model against published GPU measurements: predicted vs measured, per row.
 
-    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--json out.json]
+    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--search] [--json out.json]
 
 Rows (``DIR``: ``$MESHPAR_PUBLISHED``, else the ``published/`` folder beside the repository's
 parent, as the development set is laid out; see its README for every source):
@@ -31,6 +31,15 @@ fastest — 2 on bad input (a file or column missing), one line.
 of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (as printed, e.g.
 ``"8xA100 h2048 L24 gb32"``; repeatable); none of them: every row. About 8 s per row to
 compile on one core, nothing once cached.
+
+``--search``: also ``python -m meshpar.plan --search`` (:func:`meshpar.plan.search.search`, the
+top 5 compiled for the group's GPUs) on each group's model and global batch, on its machine:
+printed, its recommendation (as ``key=value`` overrides, the Megatron layout it is, and its
+measured time where the group has that row) and the first layout in its ranking that the group
+measured (a search choice is one of Megatron's layouts when it has no FSDP, keeps the batch and
+the model dims on separate axes and leaves no device idle), with its measured time over the
+group's fastest. Target: that layout within 10% of the fastest (exit 1 otherwise). A
+recommendation the group did not measure is printed as such: nothing says how fast it runs.
 """
 
 from __future__ import annotations
@@ -408,6 +417,10 @@ def main(argv=None) -> int:
     except InputError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
+    if args.search:  # the search plans on this host's CPU devices, one per GPU: asked for before jax starts
+        from meshpar import mesh as mesh_lib
+
+        mesh_lib.request_cpu_devices(max((int(r.group.split("x")[0]) for r in rows if r.source == "vtrain"), default=1))
     digest = _program_sources_digest()
     cache = pathlib.Path(args.cache)
     results, failed = [], []

@@ -8,6 +8,7 @@ import pytest
 
 from meshpar import aot, config, experiment, parts, stop, trainer
 from meshpar.config import ConfigError
+from meshpar.plan import timing, topology
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
 TINY = [
@@ -75,3 +76,18 @@ def test_microbatches_must_divide_each_batch_shard(tmp_path):
         _cfg(tmp_path, "layout=d_ff:model", "train.microbatches=3")
     with pytest.raises(ConfigError, match=r"^train\.microbatches: must be >= 1"):
         _cfg(tmp_path, "train.microbatches=0")
+
+
+@pytest.mark.parametrize(
+    "layout", [["mesh=data:8", "layout=batch:data"], []]
+)  # data parallel; the quickstart's data:4,model:2
+def test_gradients_are_reduced_once_per_step_not_per_microbatch(tmp_path, layout):
+    # Each device sums its own rows' gradients over the microbatches; one all-reduce per step
+    # moves them (float32 either way here), where one per microbatch would move k times as much.
+    moved = {}
+    for k in (1, 4):
+        cfg = _cfg(tmp_path, *layout, f"train.microbatches={k}")
+        text = aot.compile_train_step(cfg).as_text()
+        step = timing.predict(cfg, dict(cfg.mesh), text, topology.load("cpu-sim"))
+        moved[k] = sum(c.bytes for c in step.collectives if c.kind == "all-reduce")
+    assert moved[1] > 0 and moved[4] < 1.25 * moved[1], moved

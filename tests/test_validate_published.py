@@ -82,3 +82,20 @@ def test_a_row_is_compiled_for_its_gpu_and_priced(tmp_path):
     assert abs(t.total_s / rows[0].measured_s - 1) < 0.25
     assert t.components["gemm"] > t.components.get("memory-bound", 0) and t.kernels > 1000
     assert "vTrain's nccl-tests" in t.basis
+
+
+def test_search_choices_map_onto_megatrons_layouts_or_none():
+    from meshpar.plan.search import Option
+
+    dp8 = Option((("data", 8), ("model", 1)), ("data",), False, False, "model")
+    tp2 = Option((("stage", 2), ("data", 2), ("model", 2)), ("data",), True, False, None, True)
+    fsdp = Option((("data", 8), ("model", 1)), ("data",), False, True, "model")
+    both = Option((("data", 4), ("model", 2)), ("data", "model"), True, False, None)
+    idle = Option((("data", 4), ("model", 2)), ("data",), False, False, None)
+    assert vp.megatron_layout(dp8, 2, 32, 8) == (1, 8, 1, 2)  # 32 rows / 8 ways / 2 microbatches
+    assert vp.megatron_layout(tp2, 8, 32, 8) == (2, 2, 2, 2)
+    assert vp.megatron_layout(fsdp, 1, 32, 8) is None  # ZeRO-3 is not one of the rows' layouts
+    assert vp.megatron_layout(both, 1, 32, 8) is None  # batch and heads on one axis
+    assert vp.megatron_layout(idle, 1, 32, 8) is None  # the model axis computes the same rows twice
+    rows = vp.vtrain_rows(SLICE / vp.VTRAIN)
+    assert {vp.row_layout(r) for r in rows if r.name.endswith("TP2 DP1 PP1 micro 4")} == {(2, 1, 1, 4)}

@@ -20,9 +20,9 @@ counts that divide the rows one device holds. With a stage axis of S stages they
 pipeline's, and every count of at least S is a candidate of its own (fewer leave most of each
 tick idle: the bubble is (S − 1)/M of the ticks), ranked like any other: more shrink the bubble,
 and cost a permute per tick and smaller matmuls. Without one they are gradient accumulation's,
-which only saves memory: the same FLOPs in k passes, each with its own launches and gradient
-reduction (the accumulation loop reduces each microbatch's gradients:
-:func:`meshpar.trainer.accumulate`); so each layout gets the fewest that fit, tried in
+which only saves memory: the same FLOPs in k passes of smaller matmuls, each with its own
+launches (and, under FSDP, its own gathers and reduce-scatters); so each layout gets the fewest
+that fit, tried in
 ascending order (stopping where one more no longer lowers the bytes: from two microbatches on,
 the float32 running sum is there and only the activations shrink), and the config's own count
 on its own layout besides. A count that does not split the batch, or fewer than the stages
@@ -62,7 +62,9 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
 * gradients — each parameter's gradient all-reduced over the batch axes it is not split on
   (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
   reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
-  and axis (XLA combines the small ones); once per microbatch of gradient accumulation;
+  and axis (XLA combines the small ones); with k microbatches of gradient accumulation the
+  all-reduce once (each device sums its own rows' gradients over the microbatches:
+  :func:`meshpar.trainer.accumulate_locally`), FSDP's gathers and reduce-scatters k times;
 * activations — with the model dims split n ways, the all-reduces over the ``model`` axis
   the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
   Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
@@ -301,15 +303,18 @@ def estimate(
     flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
-    # gradient accumulation (no stage axis): k passes over one microbatch's residuals each, and
-    # k reductions of the gradients (the accumulation loop reduces each microbatch's: meshpar.trainer.accumulate)
+    # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
+    # gradients summed over the batch axes no weight is split on are reduced once per step
+    # (meshpar.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
     k = cfg.train.microbatches if sched is None else 1
+    once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
     summed = 2 * c["grads"] * (k - 1)  # each further microbatch reads and writes the running sum
     moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
     memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
     itemsize = jax.numpy.dtype(dtype).itemsize
-    gradient_s = k * sum(
-        cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
+    gradient_s = sum(
+        (1 if kind == "all-reduce" and set(axes) <= once else k)
+        * cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
         for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
     )
     activation_s = 0.0
