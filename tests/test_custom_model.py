@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from meshpar import models, train
 from meshpar import config as config_lib
+from meshpar import generate, models, train
+from meshpar.plan import __main__ as plan_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NGRAM = ROOT / "examples" / "custom_model" / "ngram.yaml"
@@ -22,8 +23,8 @@ MODEL_PARALLEL = ("mesh=data:4,model:2", "layout=batch:data; hidden:model; vocab
 def _run(module, *args, cwd=ROOT):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=cwd)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], check=False, capture_output=True,
+                          text=True, env=env, timeout=300, cwd=cwd)  # fmt: skip
 
 
 def _losses(workdir):
@@ -107,7 +108,7 @@ def test_the_family_config_validates_the_section(capsys, tmp_path):
     assert err.startswith("config error: offload.activations: ") and f"family {FAMILY} names no activations" in err
 
 
-BARE_MODULE = '''
+BARE_MODULE = """
 import dataclasses
 
 import jax.numpy as jnp
@@ -137,7 +138,7 @@ class Bigram(nnx.Module):
 
 
 FAMILY = Family(config=Config, build=lambda cfg, spec, rngs: Bigram(cfg, rngs), fields={"tokens": (1, "iu")})
-'''
+"""
 
 
 def test_a_family_with_only_the_required_parts_trains(tmp_path):
@@ -163,3 +164,52 @@ def test_family_resolves_once_and_keeps_builtins():
     cfg = config_lib.load(str(NGRAM), [])
     assert cfg.model.name == FAMILY and cfg.model.hidden == 256
     assert [m["part"] for m in models.missing("mlp")] == []
+
+
+# A module whose own code fails when imported: (source, the line of the failure, what it says).
+FAILING_MODULES = {
+    "name_error": ("import os\n\nFAMILY = undefined_name\n", 3, "NameError: name 'undefined_name' is not defined"),
+    "syntax_error": ("import os\n\ndef broken(:\n", 3, "SyntaxError: invalid syntax"),
+    "runtime_error": (
+        "def check():\n    raise RuntimeError('needs a GPU\\nto import')\n\ncheck()\n", 2,
+        "RuntimeError: needs a GPU to import",
+    ),
+}  # fmt: skip
+
+
+def _failing_module(tmp_path, kind, monkeypatch):
+    """Module `fails_<kind>` in tmp_path (on sys.path), and the one line that names its failure."""
+    source, line, says = FAILING_MODULES[kind]
+    module = f"fails_{kind}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module, f"config error: model.name: importing {module} failed: {says} ({tmp_path / module}.py:{line})\n"
+
+
+@pytest.mark.parametrize("kind", list(FAILING_MODULES))
+@pytest.mark.parametrize("command", ["train", "plan", "generate"])
+def test_a_family_module_that_fails_when_imported_is_one_line(command, kind, tmp_path, monkeypatch, capsys):
+    """Not only ImportError: whatever a module's own code raises when imported (a SyntaxError,
+    a NameError, a RuntimeError of several lines) is one line naming model.name, the module, the
+    exception's type, message, file and line, exit 2, from each command."""
+    module, expected = _failing_module(tmp_path, kind, monkeypatch)
+    override = f"model.name={module}:FAMILY"
+    if command == "train":
+        code = train.main(["--config", str(NGRAM), override, f"workdir={tmp_path / 'run'}"])
+    elif command == "plan":
+        code = plan_cli.main(["--config", str(NGRAM), override])
+    else:
+        hf = ROOT / "tests" / "fixtures" / "hf" / "untied_f32"
+        code = generate.main(["--hf", str(hf), "--prompt", "a", override])
+    out = capsys.readouterr()
+    assert (code, out.err) == (2, expected)
+
+
+def test_a_family_module_that_fails_when_imported_is_one_line_from_the_shell(tmp_path, monkeypatch):
+    """The same from ``python -m meshpar.train``, the module on PYTHONPATH: no traceback."""
+    module, expected = _failing_module(tmp_path, "runtime_error", monkeypatch)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "meshpar.train", "--config", str(NGRAM),
+                             f"model.name={module}:FAMILY", f"workdir={tmp_path / 'run'}"],
+                            check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)

@@ -6,7 +6,11 @@ different layouts, sampling, and the one-line failures."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -19,6 +23,7 @@ from meshpar import decoding, generate
 from meshpar import train as train_cli
 from meshpar.models import llama, transformer
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TRAINED = FIXTURES / "trained"
 MTF = "batch:data; heads:model; d_ff:model; vocab:model"  # Mesh TensorFlow's data + model layout
@@ -263,3 +268,76 @@ def test_the_command_continues_a_hugging_face_folder_and_stops_at_its_end_token(
     assert len(stopped[0]) <= 6
     kept = decoding.generate(dataclasses.replace(gen, eos=(end,)), prompts, 32, stop_at_eos=False).tokens
     assert [t.tolist() for t in kept] == ref["generate_tokens"].tolist()
+
+
+# -------------------------------------------------------------------------------------------
+# Prompts that are not UTF-8, and a --json that cannot be written
+
+BYTE_LEVEL = FIXTURES / "untied_f32"  # a Llama of vocabulary 256 without tokenizer.json: the byte tokenizer
+
+
+def test_a_prompt_that_is_not_utf8_goes_to_a_byte_level_model_byte_for_byte(tmp_path, capsys):
+    """``--prompt "$(printf 'a\\xff\\xfe')"`` reaches Python as surrogate escapes; a byte-level
+    model is given the bytes themselves, from the command line and from a batch file alike,
+    and the shown prompt holds U+FFFD where a byte is not UTF-8 (the ids keep the bytes)."""
+    batch = tmp_path / "prompts.txt"
+    batch.write_bytes(b"x\xfey\n")
+    path = tmp_path / "out.json"
+    code, stdout, stderr = _cli(["--hf", str(BYTE_LEVEL), "--prompt", "a\udcff\udcfe", "--batch-file", str(batch),
+                                 "--max-new-tokens", "4", "--json", str(path)], capsys)  # fmt: skip
+    assert code == 0, stderr
+    assert json.loads(path.read_text())["prompt_ids"] == [[97, 255, 254], [120, 254, 121]]
+    assert stdout.startswith("── prompt 0 (3 tokens) + 4 new ──\na\ufffd\ufffd")
+    assert "── prompt 1 (3 tokens) + 4 new ──\nx\ufffdy" in stdout
+
+
+@pytest.mark.skipif(not TRAINED.is_dir(), reason="tests/fixtures/hf/trained is made by scripts/make_hf_fixture.py")
+def test_a_prompt_that_is_not_utf8_is_one_line_for_a_tokenizer_that_reads_text(tmp_path, capsys):
+    """The command run as a shell runs it, the prompt's bytes in argv: one line naming the
+    argument, the prompt, the byte and its offset; exit 2; nothing generated. The same for a
+    batch file's line."""
+    tokenizer = TRAINED / "tokenizer.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, "-m", "meshpar.generate", "--hf", str(TRAINED), "--prompt", "ok", "--prompt", b"a\xff\xfe"]
+    result = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"config error: --prompt: prompt 1 is not valid UTF-8: byte 0xff at offset 1 (tokenizer {tokenizer} "
+        "reads text; give UTF-8, or token ids with --prompt-ids)\n"
+    )
+    batch = tmp_path / "prompts.txt"
+    batch.write_bytes(b"fine\n\nab\xfe\n")
+    code, stdout, stderr = _cli(["--hf", str(TRAINED), "--prompt", "ok", "--batch-file", str(batch)], capsys)
+    assert (code, stdout) == (2, "")
+    assert stderr == (
+        f"config error: --batch-file: {batch}:3 (prompt 2) is not valid UTF-8: byte 0xfe at offset 2 "
+        f"(tokenizer {tokenizer} reads text; give UTF-8, or token ids with --prompt-ids)\n"
+    )
+
+
+def test_a_json_path_in_a_missing_folder_is_one_line_before_anything_is_generated(tmp_path, capsys):
+    path = tmp_path / "missing_dir" / "x.json"
+    code, stdout, stderr = _cli(["--hf", str(BYTE_LEVEL), "--prompt", "def ", "--json", str(path)], capsys)
+    assert (code, stdout) == (2, "")
+    assert stderr == f"output error: cannot write --json {path}: folder {path.parent} does not exist\n"
+    code, stdout, stderr = _cli(["--hf", str(BYTE_LEVEL), "--prompt", "def ", "--json", str(tmp_path)], capsys)
+    assert (code, stdout, stderr) == (2, "", f"output error: cannot write --json {tmp_path}: it is a folder\n")
+
+
+def test_a_json_write_that_fails_after_generating_keeps_the_text(tmp_path, capsys, monkeypatch):
+    """A write that fails once the continuations are made (a full disk): they are on stdout,
+    the error is one line, exit 2, and no partial file is left."""
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(generate.os, "replace", full_disk)
+    path = tmp_path / "x.json"
+    args = ["--hf", str(BYTE_LEVEL), "--prompt", "def ", "--max-new-tokens", "4", "--json", str(path)]
+    code, stdout, stderr = _cli(args, capsys)
+    assert code == 2
+    assert stdout.startswith("── prompt 0 (4 tokens) + 4 new ──\ndef ")
+    assert stderr.splitlines()[-1] == (
+        f"output error: cannot write --json {path}: No space left on device (the continuations are printed above)"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -26,6 +26,7 @@ import importlib
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -188,7 +189,7 @@ def family(name: str) -> Family:
     return _imported(name)
 
 
-@functools.lru_cache(maxsize=None)  # only a family found is cached: an error is raised again
+@functools.cache  # only a family found is cached: an error is raised again
 def _imported(name: str) -> Family:
     module_name, _, attribute = name.partition(":")
     cwd = os.getcwd()
@@ -201,6 +202,8 @@ def _imported(name: str) -> Family:
         message = " ".join(str(e).split())  # one line
         why = f"{type(e).__name__}: {message}"
         raise ConfigError("model.name", f"cannot import module {module_name!r} of {name!r} ({why})") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code failed (SyntaxError, NameError, ...)
+        raise ConfigError("model.name", f"importing {module_name} failed: {_failure(e)}") from None
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
@@ -217,6 +220,21 @@ def _imported(name: str) -> Family:
     return value
 
 
+def _failure(error: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception a family's module raised when imported, on
+    one line: the file and line it was raised at (a SyntaxError's: the line that does not parse)."""
+    if isinstance(error, SyntaxError):  # its str() names the file without its folder
+        message, where = error.msg, error.filename and f"{error.filename}:{error.lineno}"
+    else:
+        message, where = str(error), None
+        if error.__traceback__ is not None:
+            frame = traceback.extract_tb(error.__traceback__)[-1]  # where it was raised, not importlib's frames
+            where = f"{frame.filename}:{frame.lineno}"
+    message = " ".join(str(message).split())  # one line
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return f"{text} ({where})" if where else text
+
+
 def config_class(name: str) -> type:
     """The dataclass the ``model`` section of family `name` is validated into: the family's
     config when it declares a field ``name``, else that config with ``name: str`` added (its
@@ -226,7 +244,7 @@ def config_class(name: str) -> type:
     return _config_class(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _config_class(name: str) -> type:
     cls = family(name).config
     if "name" in {f.name for f in dataclasses.fields(cls)}:
