@@ -188,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.json is not None:
-        out = {"source": gen.source, "mesh": mesh, "layout": str(gen.layout), "prompts": shown,
-               "prompt_ids": [p.tolist() for p in result.prompts], **result.summary()}  # fmt: skip
+        # the prompts' texts, as docs/generation.md says (the summary's "prompts" is their count)
+        out = {**result.summary(), "source": gen.source, "mesh": mesh, "layout": str(gen.layout), "prompts": shown,
+               "prompt_ids": [p.tolist() for p in result.prompts]}  # fmt: skip
         write_output(args.json, json.dumps(out, indent=1))
     return 0
 

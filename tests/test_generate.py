@@ -256,6 +256,7 @@ def test_the_command_continues_a_hugging_face_folder_and_stops_at_its_end_token(
     assert code == 0, stderr
     out = json.loads(path.read_text())
     assert out["tokens"] == [ref["generate_single"].tolist()] and out["mesh"] == "data:4,model:2"
+    assert out["prompts"] == ["def "] and out["prompt_tokens"] == [2]  # the prompts' texts, not their count
     assert stdout.startswith("── prompt 0 (2 tokens) + 32 new ──\ndef ")
 
     gen = _trained()
