@@ -34,8 +34,7 @@ try:
 finally:
     if _hidden is not None:
         os.environ[CPU_DEVICES_ENV] = _hidden
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, Mesh  # noqa: E402
+from jax.sharding import AxisType, Mesh
 
 # A `-1` axis on a host with only CPUs fills this many simulated devices, unless
 # JAX_NUM_CPU_DEVICES says otherwise.
@@ -296,8 +295,3 @@ def build_mesh(spec: str | Mapping[str, int] | tuple[tuple[str, int], ...], devi
 def describe(mesh: Mesh) -> str:
     """``"data:4,model:2"``."""
     return ",".join(f"{a}:{n}" for a, n in mesh.shape.items())
-
-
-def first_device(mesh: Mesh) -> jax.Device:
-    """The relay device of routed feeding: the mesh's first device."""
-    return np.asarray(mesh.devices).flat[0]

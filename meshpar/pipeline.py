@@ -49,8 +49,6 @@ from jax.sharding import PartitionSpec
 
 from meshpar import layout as layout_lib
 
-SCHEDULES = ("gpipe", "circular")
-
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:

@@ -248,7 +248,7 @@ def test_build_mesh_on_accelerators_must_use_every_device(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# describe / first_device
+# describe
 
 
 @pytest.mark.parametrize("spec, text", [("data:4,model:2", "data:4,model:2"), ("data:-1,model:2", "data:4,model:2"),
@@ -257,10 +257,6 @@ def test_describe(spec, text):
     mesh = build_mesh(spec)
     assert describe(mesh) == text
     assert parse_mesh(describe(mesh)) == tuple(mesh.shape.items())  # round-trips
-
-
-def test_first_device():
-    assert mesh_lib.first_device(build_mesh("data:4,model:2")) == jax.devices()[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,26 @@
-"""The commands are only commands: library code, scripts and tests never import them."""
+"""The project's structure.
+
+- The commands (``python -m`` entry points, :data:`COMMANDS`) are only commands: library code
+  (``meshpar/``, ``input_pipeline/``) and scripts never import them; tests may, to run them.
+- ``meshpar/train.py`` defines nothing but the command (``run``, ``main``).
+- No import cycle among the project's modules, imports inside functions counted, and no
+  project module imported inside a function.
+"""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"meshpar.train", "meshpar.compare_feeding", "meshpar.plan.__main__", "meshpar.convert"}
+# meshpar.config_reference also runs as a command, but is library code too: the docs build's
+# hook (docs/hooks/config_reference.py) imports it.
+COMMANDS = {
+    "meshpar.train",
+    "meshpar.compare_feeding",
+    "meshpar.plan.__main__",
+    "meshpar.convert",
+    "meshpar.generate",
+    "meshpar.data",
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -29,6 +45,12 @@ def test_no_library_module_or_script_imports_a_command():
         if hit:
             users[module] = sorted(hit)
     assert not users, f"library code importing a command module: {users}"
+
+
+def test_every_listed_command_is_a_command():
+    for module in COMMANDS:
+        path = REPO.joinpath(*module.split(".")).with_suffix(".py")
+        assert path.name == "__main__.py" or 'if __name__ == "__main__":' in path.read_text(), module
 
 
 def test_the_train_command_defines_only_the_command():

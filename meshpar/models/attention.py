@@ -43,7 +43,6 @@ local to each device whatever the split, and runs the core as for multi-head att
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import jax
 import jax.extend.backend
@@ -53,7 +52,6 @@ from meshpar import layout as layout_lib
 from meshpar import pipeline
 from meshpar.layout import constrain
 
-Implementation = Literal["auto", "xla", "blockwise", "cudnn"]
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: exp(NEG - finite) == 0, never NaN
 
 

@@ -96,8 +96,6 @@ import numpy as np
 from meshpar import throughput
 from meshpar.plan import cost, hlo, kernels
 
-KINDS = hlo.COLLECTIVES
-
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
