@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from meshpar import aot, config, parts, pipeline
-from meshpar.plan import candidates, cost, memory, search, stages, topology
+from meshpar.plan import candidates, cost, gpu_target, memory, search, stages, topology
 
 CONFIG = "experiments/transformer_pipeline.yaml"
 SMALL = ["train.progress=false", "model.d_model=64", "model.n_heads=2", "model.d_head=32", "model.d_ff=128",
@@ -70,9 +70,33 @@ def test_prediction_against_compiled_on_an_untuned_shape():
     assert plan.categories["activations"] > 3 * sum(r.total for r in memory.saved_activations(cfg, step))
 
 
+@pytest.mark.gpu_target
+def test_prediction_against_xla_gpu_with_the_head_and_the_tick_loop_in_view():
+    # GPipe over 2 stages of 4 layers, M=2 microbatches of 8 rows, bfloat16 compute, full remat,
+    # a 4096-token head: compiled for an H100 machine (deviceless). The step's peak is
+    # the head's backward (the float32 cotangent of the whole batch's logits beside the tick
+    # loop's residual stacks) or the backward tick loop (the stage's gradient accumulators and
+    # one tick's gradient stacks); the old estimate (the stage's weights taken off residuals that
+    # do not hold them, the whole group recomputed at once, the logits' cotangent in bfloat16)
+    # was a third too high here
+    cfg = _cfg("mesh=stage:2,data:4", "layout=batch:data; layers:stage", "model.n_layers=8", "model.d_model=256",
+               "model.n_heads=4", "model.d_head=64", "model.d_ff=1024", "data.length=128", "model.max_length=128",
+               "model.vocab_size=4096", "model.compute_dtype=bfloat16", "model.remat=full", "train.batch_size=64",
+               "train.microbatches=2")  # fmt: skip
+    target = gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh)
+    step = parts.abstract_step(cfg, devices=target.devices)
+    plan = memory.analytic(cfg, step)
+    xla = aot.memory(step.lower().compile())["total_bytes"]
+    total = plan.total - plan.categories["queued_inputs"]
+    assert abs(total - xla) <= 0.10 * xla, (total, xla)
+    assert plan.categories["activations"] > 0  # the tick loop's stacks and the residuals outside the stack
+
+
 def _two_hosts(tmp_path) -> topology.Topology:
     """h100-sxm-2x8 cut to 2 hosts of 4 (this test's 8 devices), inter-host link as shipped."""
-    raw = yaml.safe_load(pathlib.Path(topology.__file__).with_name("topologies").joinpath("h100-sxm-2x8.yaml").read_text())
+    raw = yaml.safe_load(
+        pathlib.Path(topology.__file__).with_name("topologies").joinpath("h100-sxm-2x8.yaml").read_text()
+    )
     raw.update(name="h100-2x4", num_devices=8, host_groups=[[i] for i in range(8)])
     raw["node_link"] = {**raw["node_link"], "gbps": 12.5}  # a 100 Gb/s NIC per GPU
     path = tmp_path / "h100-2x4.yaml"
@@ -80,7 +104,7 @@ def _two_hosts(tmp_path) -> topology.Topology:
     return topology.load(str(path))
 
 
-def test_stage_axis_wins_over_slow_links_and_loses_on_one_node(tmp_path):
+def test_stage_axis_wins_over_slow_links_and_not_by_much_on_one_node(tmp_path):
     cfg = _cfg("model.d_model=512", "model.n_heads=8", "model.d_head=64", "model.d_ff=2048", "model.n_layers=8",
                "train.microbatches=4", "train.batch_size=256")  # fmt: skip
     choices = {
@@ -89,9 +113,11 @@ def test_stage_axis_wins_over_slow_links_and_loses_on_one_node(tmp_path):
         "data+model": ("data:2,model:4", "batch:data; d_ff:model; heads:model; vocab:model", False),
     }
     slow = {k: _estimate(cfg, _two_hosts(tmp_path), *v).total_s for k, v in choices.items()}
-    assert min(slow, key=slow.get) == "stage", slow  # the pipeline sends one microbatch per tick over the network
+    # the pipeline sends one microbatch per tick over the network, data parallelism every gradient
+    assert min(slow, key=slow.get) == "stage" and slow["data"] > 3 * slow["stage"], slow
     fast = {k: _estimate(cfg, topology.load("h100-sxm-8"), *v).total_s for k, v in choices.items()}
-    assert min(fast, key=fast.get) != "stage" and fast["stage"] > min(fast.values()) * 1.05, fast  # the bubble costs more
+    # over NVLink the gradients cost little: the bubble and the stage's whole-batch head take back its lead
+    assert fast["data"] < 1.10 * fast["stage"] and fast["data"] / fast["stage"] < slow["data"] / slow["stage"] / 3, fast
 
 
 def test_search_enumerates_stage_axes_only_where_layers_divide():

@@ -159,10 +159,15 @@ feeding), in bytes:
 ``Breakdown.total`` is the sum of the categories: params + optimizer + the inputs (exact) plus
 the step's working set (grads + activations + workspace, the estimate).
 
-**A stage axis** (``layers:<axis>``, :mod:`meshpar.pipeline`): the activations, gradients and
-workspace are the pipeline's (:mod:`meshpar.plan.stages`: a stage's residuals over the ticks,
-no running sum, the pipeline's buffers); params and optimizer state as above (the stack's are
-split over the stages by the layout).
+**A stage axis** (``layers:<axis>``, :mod:`meshpar.pipeline`): params and optimizer state as
+above (the stack's are split over the stages by the layout); ``grads`` one per parameter (no
+running sum: the microbatches are the pipeline's); ``activations`` the tick loop's residual
+stacks (T/R × a stage's residuals of one microbatch) and the residuals outside the stack for the
+whole batch (the embedding's dropout mask among them; the stack's dropout keeps only each
+layer's key per tick, the bits drawn again in the backward); ``workspace`` the rest of the most
+the step holds at once — the head's backward (its logits' float32 cotangent), the backward tick
+loop (the stage's gradient accumulators and one tick's gradient stacks) or the update, in the
+better of XLA's two orders (:mod:`meshpar.plan.stages`).
 
 **Host offload** (the ``offload`` section; what lives where: :func:`meshpar.plan.offload_plan.placement`)
 moves bytes from these device categories to ``Breakdown.host``, per device, in pinned host memory:
@@ -387,19 +392,87 @@ def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimi
     """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
     docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
     them (the stack's divided over the stages), one gradient per parameter and no running sum
-    (the microbatches are the pipeline's), a stage's residuals over the ticks, and the
-    pipeline's buffers as workspace."""
-    kept = saved_activations(cfg, step, rolled=True)
-    recomputed = 0
-    if getattr(cfg.model, "remat", "none") != "none":  # the backward tick recomputes its group
-        full = [r for r in saved_activations(cfg, step, "none", rolled=True) if r.loop]
-        recomputed = sum(r.nbytes for r in full)  # one layer of one microbatch
+    (the microbatches are the pipeline's), and the most the step holds of the rest at once: the
+    backward outside the stack (walked as any step's, the tick loop's residual stacks held
+    through it), the backward tick loop, or the update — in the better of XLA's two orders."""
+    platform = shapes.platform(step)
+    plan = step.plan
+    # the layers outside the stack run on the whole batch: traced with no microbatches
+    whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
+    uses: dict = {}
+    matmuls_at: dict = {}
+    dtypes: dict = {}
+    outer = saved_activations(whole, step, uses=uses, matmuls_at=matmuls_at, dtypes=dtypes, rolled=True)
+    tick_at: dict = {}
+    kept = saved_activations(cfg, step, rolled=True, matmuls_at=tick_at)  # one microbatch: a tick's
+    loop_at = min((r.at for r in outer if r.loop), default=0)
+    loss, local = _local_loss(whole, step, rolled=True)
+    with shapes.on_target(step):  # the logits cast to float32 for the loss: their cotangent comes back in it
+        widened = stages.widened_matmuls(jax.make_jaxpr(loss)(local, shapes.device_batch(whole, step)).jaxpr)
+    outside = [dataclasses.replace(r, cot=widened[r.nbytes]) if r.label == "dot_general" and not r.cot
+               and widened.get(r.nbytes, 0) > r.nbytes else r for r in outer if not r.loop]  # fmt: skip
+    remat = getattr(cfg.model, "remat", "none")
+    itemsize = jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize
+    weights = stages.stack_weights(plan, itemsize) if remat == "none" else 0  # a remat policy keeps no weights
+    stack = stages.tick_residuals(kept, sched, weights)
+    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
+    accumulators, tick_grads = stages.stack_gradients(plan, act, sched)
+    stacked = {i for i, v in enumerate(variables) if gradients.stacked(v)}
+    held = gradients.held(step, uses, True)
+    workspace, partials = 0, {}
+    if platform == "gpu":  # the layer loop's matmuls at one microbatch's shapes: a tick's
+        at = {p: v for p, v in matmuls_at.items() if p != loop_at}
+        at.update((loop_at, v) for v in tick_at.values() if v[0])
+        workspace, partials = gemm.matmul_scratch(step, at)
+    for r in outside:  # a widened cotangent dies before the backward's matmuls there read its narrowed copy
+        if r.cot and r.at in partials and r.at != loop_at:
+            partials[r.at] = max(partials[r.at] - r.cot, 0)
+    # the tick loop's stacks, one residual at its place: every place after it (the head) walks over them
+    ticks = residuals.Residual(max(stack // sched.ticks, 1), sched.ticks, "ticks", loop=True, rolled=True, at=loop_at)
+    before = sum(r.total for r in outside if r.at < loop_at)  # made before the stack, held through its backward
+    transient = stages.tick_slice(kept, sched)
+    if remat != "none":  # the tick's backward recomputes one layer at a time: its residuals beyond the one kept
+        one = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
+        transient += max(one - backward_phase.loop_iteration(kept), 0)
+    tick = tick_grads + transient + stages.buffers(kept, sched, True) + partials.get(loop_at, 0)
+
+    def peak(early_zeros: bool) -> int:
+        """The head's backward or the tick loop's, the larger, in one of XLA's orders: the
+        accumulators and the embedding table's gradient zeroed at the step's start and the head's
+        weight gradients run where the backward reaches them (`early_zeros`), or zeroed where
+        the backward needs them and those weight gradients run after the tick loop (on a GPU:
+        their cotangents held through it)."""
+        accumulated = gradients.accumulated(step, uses, True) - stacked
+        if early_zeros:
+            accumulated |= stacked | {i for i, u in uses.items() if u.scattered and i < len(variables)}
+        early = sum(held.get(i, 0) for i in accumulated)
+        shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held}
+        together = {i: b * shares[i] for i, b in held.items() if shares[i]}  # a stacked one's: from the tick loop on
+        late = set()
+        if platform == "gpu" and not early_zeros:
+            late = {i for i, u in uses.items() if u.matmul and u.at > loop_at and i < len(variables)} - stacked
+        head = backward_phase.walk([*outside, ticks], uses, len(variables), together, {}, partials, early,
+                                   platform == "cpu", {}, {}, late)  # fmt: skip
+        after = sum(b for i, b in together.items() if i not in late and i in uses and uses[i].at > loop_at)
+        waiting = sum(uses[i].cot or 0 for i in late)
+        loop = before + stack + early + after + waiting + (0 if early_zeros else accumulators) + tick
+        return max(head + stages.buffers(kept, sched, False), loop) + workspace
+
+    update, _ = gradients.update_phase(whole, step, uses, True, gradients.COMBINE_THRESHOLD, dtypes)
+    working = max(min(peak(True), peak(False)), update)
+    activations = stack + sum(r.total for r in outside)
     categories = _categories(
-        cfg, step, params=params, grads=params, optimizer=optimizer,
-        activations=stages.activations(kept, sched, stages.stack_weights(step.plan, jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize)),
-        workspace=stages.buffers(kept, sched, recomputed),
+        cfg, step, params=params, grads=params, optimizer=optimizer, activations=activations,
+        workspace=working - params - activations,
     )  # fmt: skip
     return Breakdown(categories, exact, host)
+
+
+def running_sum_bytes(plan) -> int:
+    """Bytes per device of gradient accumulation's float32 running sum, in the parameters' shardings."""
+    f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), plan.abstract.params)
+    return aot.shard_bytes(f32, plan.shardings.params)
 
 
 def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
@@ -411,10 +484,7 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
     plan = step.plan
     platform = shapes.platform(step)
     params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
-    running_sum = 0
-    if cfg.train.microbatches > 1:  # the float32 running sum, in the parameters' shardings
-        f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), plan.abstract.params)
-        running_sum = aot.shard_bytes(f32, plan.shardings.params)
+    running_sum = running_sum_bytes(plan) if cfg.train.microbatches > 1 else 0
     grads = params + running_sum
     rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
     optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))

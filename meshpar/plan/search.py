@@ -56,7 +56,8 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
 * memory — bytes a step moves in device memory: the state read and written by the update
   (2 × (params + grads + optimizer)) and the saved activations written, read, and their
   cotangents written and read (4 × activations, per microbatch), and with k microbatches
-  the running sum read and written by each after the first (2 × grads × (k − 1)), from the
+  the float32 running sum read and written by each after the first (2 × its bytes × (k − 1):
+  XLA:GPU adds each gradient to it in the matmul's epilogue), from the
   memory plan, at the device's rate (:func:`meshpar.plan.timing.memory`); added to compute,
   not overlapped (the model is a ranking, not a roofline);
 * gradients — each parameter's gradient all-reduced over the batch axes it is not split on
@@ -308,7 +309,7 @@ def estimate(
     # (meshpar.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
     k = cfg.train.microbatches if sched is None else 1
     once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
-    summed = 2 * c["grads"] * (k - 1)  # each further microbatch reads and writes the running sum
+    summed = 2 * memory.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum
     moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
     memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
     itemsize = jax.numpy.dtype(dtype).itemsize
