@@ -1,6 +1,7 @@
 """The step-time model against published GPU measurements: predicted vs measured, per row.
 
-    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--search] [--json out.json]
+    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--memory] [--search]
+        [--json out.json]
 
 Rows (``DIR``: ``$MESHPAR_PUBLISHED``, else the ``published/`` folder beside the repository's
 parent, as the development set is laid out; see its README for every source):
@@ -32,6 +33,10 @@ of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (
 ``"8xA100 h2048 L24 gb32"``; repeatable); none of them: every row. About 8 s per row to
 compile on one core, nothing once cached.
 
+``--memory``: also the analytic memory plan (:func:`meshpar.plan.memory.analytic`, the step's
+total: less the batches queued outside it) against XLA's total for the same compiled step,
+per vTrain row (the search filters its candidates with the plan). Target: every row within 10%.
+
 ``--search``: also ``python -m meshpar.plan --search`` (:func:`meshpar.plan.search.search`, the
 top 5 compiled for the group's GPUs) on each group's model and global batch, on its machine:
 the search starts from plain data parallelism (no measured layout is the config's own). Printed:
@@ -60,7 +65,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGETS = {"jax_mape": 0.15, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10}
+TARGETS = {"jax_mape": 0.15, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10, "memory_within": 0.10}
 VTRAIN = "vtrain_a100_dev.csv"
 JAX = "jax_h100_dev.csv"
 VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
@@ -207,17 +212,18 @@ def _key(row: Row, digest: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def compile_hlo(row: Row, cache: pathlib.Path, digest: str) -> tuple[str, float]:
+def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = False) -> tuple[str, float]:
     """The optimised HLO of the row's train step on its machine (cached), and the compile time
-    (0 when cached)."""
+    (0 when cached). Beside it, XLA's memory figures of the compiled step (``.xla.json``:
+    :func:`meshpar.aot.memory`); `need_memory`: compile again where an older cache entry lacks them."""
     import numpy as np
 
-    from meshpar import compile_cache, parts
+    from meshpar import aot, compile_cache, parts
     from meshpar import config as config_lib
     from meshpar.plan import gpu_target, topology
 
     path = cache / f"{_key(row, digest)}.hlo"
-    if path.is_file():
+    if path.is_file() and (not need_memory or path.with_suffix(".xla.json").is_file()):
         return path.read_text(), 0.0
     cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
     topo = topology.load(row.topology)
@@ -227,12 +233,33 @@ def compile_hlo(row: Row, cache: pathlib.Path, digest: str) -> tuple[str, float]
     started = time.perf_counter()
     spec = {"tokens": ((cfg.data.length + 1,), np.dtype(np.int32))}
     with compile_cache.suspended(True):
-        text = parts.abstract_step(cfg, devices=target.devices, element_spec=spec).lower().compile().as_text()
+        compiled = parts.abstract_step(cfg, devices=target.devices, element_spec=spec).lower().compile()
+    text = compiled.as_text()
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    for suffix, content in ((".xla.json", json.dumps(aot.memory(compiled))), (".hlo", text)):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(content)
+        tmp.replace(path.with_suffix(suffix))
     return text, time.perf_counter() - started
+
+
+def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
+    """The analytic memory plan's step total (:func:`meshpar.plan.memory.analytic`, less the
+    batches queued outside the step) and XLA's total for the row's compiled step, per device."""
+    import numpy as np
+
+    from meshpar import config as config_lib
+    from meshpar import parts
+    from meshpar.plan import gpu_target, memory, topology
+
+    compile_hlo(row, cache, digest, need_memory=True)
+    xla = json.loads((cache / f"{_key(row, digest)}.xla.json").read_text())["total_bytes"]
+    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
+    target = gpu_target.target(topology.load(row.topology), cfg.mesh)
+    spec = {"tokens": ((cfg.data.length + 1,), np.dtype(np.int32))}
+    plan = memory.analytic(cfg, parts.abstract_step(cfg, devices=target.devices, element_spec=spec))
+    c = plan.categories
+    return plan.total - c["queued_inputs"] - c.get("relay_inputs", 0), xla
 
 
 def predict(row: Row, text: str):
@@ -411,6 +438,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
     parser.add_argument("--cache", default=str(ROOT / "runs" / "published-hlo"), help="compiled HLO cache")
     parser.add_argument("--json", help="write every row and the summary here")
+    parser.add_argument("--memory", action="store_true",
+                        help="also the analytic memory plan against XLA's compiled step, per vTrain row")  # fmt: skip
     parser.add_argument("--search", action="store_true",
                         help="also run the layout search on each selected group's model and batch")  # fmt: skip
     args = parser.parse_args(argv)
@@ -468,6 +497,24 @@ def main(argv=None) -> int:
         print(f"group {name} ({g['rows']} rows): Spearman {g['spearman']:.2f}, predicted best "
               f"{g['predicted_best']!r} measured {g['best_slower_by']:.1%} slower than the fastest")  # fmt: skip
     missed = verdict(summary) + [f"{f['name']}: cannot be planned" for f in failed]
+    memories = []
+    for row in [r for r in rows if r.source == "vtrain"] if args.memory else ():
+        try:
+            planned, xla = memory_ratio(row, cache, digest)
+        except Exception as e:  # noqa: BLE001 (one row that cannot be planned is reported, the rest go on)
+            missed.append(f"{row.name}: memory cannot be planned: {' '.join(str(e).split())[:200]}")
+            continue
+        memories.append({"name": row.name, "analytic_bytes": planned, "xla_bytes": xla, "ratio": planned / xla})
+        print(f"memory {row.name:52s} analytic {planned / 2**30:6.2f} GiB, XLA {xla / 2**30:6.2f} GiB, "
+              f"{planned / xla:.3f}", flush=True)  # fmt: skip
+    if memories:
+        worst = max(memories, key=lambda m: abs(m["ratio"] - 1))
+        within = sum(abs(m["ratio"] - 1) <= TARGETS["memory_within"] for m in memories)
+        print(f"memory: {within} of {len(memories)} rows within {TARGETS['memory_within']:.0%} of XLA's; "
+              f"ratios {min(m['ratio'] for m in memories):.3f}-{max(m['ratio'] for m in memories):.3f}")  # fmt: skip
+        if abs(worst["ratio"] - 1) > TARGETS["memory_within"]:
+            missed.append(f"memory: {len(memories) - within} rows beyond {TARGETS['memory_within']:.0%} of XLA's "
+                          f"(worst {worst['name']}: {worst['ratio']:.3f})")  # fmt: skip
     searches = []
     for name in summary["groups"] if args.search else ():
         s = search_group([r for r in rows if r.group == name])
@@ -496,8 +543,8 @@ def main(argv=None) -> int:
         + "; ".join(sorted({r["basis"] for r in results}))
     )
     if args.json:
-        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "searches": searches,
-               "missed": missed}  # fmt: skip
+        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "memory": memories,
+               "searches": searches, "missed": missed}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     for line in missed:
         print(f"missed: {line}")

@@ -82,6 +82,8 @@ def test_a_row_is_compiled_for_its_gpu_and_priced(tmp_path):
     assert abs(t.total_s / rows[0].measured_s - 1) < 0.25
     assert t.components["gemm"] > t.components.get("memory-bound", 0) and t.kernels > 1000
     assert "vTrain's nccl-tests" in t.basis
+    planned, xla = vp.memory_ratio(rows[0], tmp_path, "test")  # XLA's figures were kept beside the HLO
+    assert abs(planned / xla - 1) <= 0.10, (planned, xla)
 
 
 def test_search_choices_map_onto_megatrons_layouts_or_none():
