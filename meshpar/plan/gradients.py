@@ -125,7 +125,8 @@ def accumulated(step: parts.AbstractStep, uses: dict, rolled: bool) -> set[int]:
 
 
 def update_phase(cfg: Config, step: parts.AbstractStep, uses: dict, rolled: bool = False,
-                  threshold: int = COMBINE_THRESHOLD, dtypes: dict | None = None) -> tuple[int, int]:  # fmt: skip
+                  threshold: int = COMBINE_THRESHOLD, dtypes: dict | None = None,
+                  local: frozenset = frozenset()) -> tuple[int, int]:  # fmt: skip
     """Bytes the update phase holds beyond the state (see :mod:`meshpar.plan.memory`): every
     gradient as the backward produces it (at its activation-layout shard, in the dtype the
     forward reads the parameter in), and a reduced copy where the devices must sum or re-place
@@ -139,11 +140,15 @@ def update_phase(cfg: Config, step: parts.AbstractStep, uses: dict, rolled: bool
     reduce-scatter there), and a summed copy of it where the devices must sum it (the combined
     all-reduce's output). Also returns what one iteration of the backward layer loop holds of
     its layer's gradients: each at its compute shard, and its reduced copy (:func:`_reduced`);
-    `dtypes`: parameter leaf -> the dtype the forward casts it to (the layer's gradient's)."""
+    `dtypes`: parameter leaf -> the dtype the forward casts it to (the layer's gradient's).
+    `local`: the batch axes gradient accumulation sums over on each device, reducing the running
+    sum once, in place, after the last microbatch (:func:`meshpar.trainer.reduced_once`): no
+    gradient is summed over them during the step, and no summed copy is held."""
     plan, (_, batch, _) = step.plan, step.args
     batch_axes = set()
     for b in batch.values():
         batch_axes |= set(jax.tree.leaves(tuple(b.sharding.spec)[:1]))
+    batch_axes -= set(local)
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     gpu = shapes.platform(step) == "gpu"
     total, iteration, running = 0, 0, cfg.train.microbatches > 1 and gpu

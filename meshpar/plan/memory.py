@@ -167,7 +167,11 @@ whole batch (the embedding's dropout mask among them; the stack's dropout keeps 
 layer's key per tick, the bits drawn again in the backward); ``workspace`` the rest of the most
 the step holds at once — the head's backward (its logits' float32 cotangent), the backward tick
 loop (the stage's gradient accumulators and one tick's gradient stacks) or the update, in the
-better of XLA's two orders (:mod:`meshpar.plan.stages`).
+better of XLA's two orders (:mod:`meshpar.plan.stages`). That is XLA:GPU's program (0.95-1.03 of
+its figure on 49 published pipelined rows: ``scripts/validate_published.py --memory``); a step
+compiled for XLA:CPU keeps the earlier accounting (a stage's residuals over the ticks, the
+pipeline's buffers as workspace: :func:`_pipelined_cpu`), checked against XLA:CPU by
+``scripts/validate_memory.py``.
 
 **Host offload** (the ``offload`` section; what lives where: :func:`meshpar.plan.offload_plan.placement`)
 moves bytes from these device categories to ``Breakdown.host``, per device, in pinned host memory:
@@ -387,6 +391,26 @@ def _categories(cfg: Config, step: parts.AbstractStep, **working) -> dict[str, i
     return out
 
 
+def _pipelined_cpu(cfg: Config, step: parts.AbstractStep, sched, params: int, optimizer: int, host: dict,
+               exact: frozenset) -> Breakdown:  # fmt: skip
+    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
+    docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
+    them (the stack's divided over the stages), one gradient per parameter and no running sum
+    (the microbatches are the pipeline's), a stage's residuals over the ticks, and the
+    pipeline's buffers as workspace: the accounting of XLA:CPU's program (:func:`_pipelined` on a GPU)."""
+    kept = saved_activations(cfg, step, rolled=True)
+    recomputed = 0
+    if getattr(cfg.model, "remat", "none") != "none":  # the backward tick recomputes its group
+        full = [r for r in saved_activations(cfg, step, "none", rolled=True) if r.loop]
+        recomputed = sum(r.nbytes for r in full)  # one layer of one microbatch
+    categories = _categories(
+        cfg, step, params=params, grads=params, optimizer=optimizer,
+        activations=stages.cpu_activations(kept, sched, stages.stack_weights(step.plan, jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize)),
+        workspace=stages.cpu_buffers(kept, sched, recomputed),
+    )  # fmt: skip
+    return Breakdown(categories, exact, host)
+
+
 def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimizer: int, host: dict,
                exact: frozenset) -> Breakdown:  # fmt: skip
     """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
@@ -396,6 +420,8 @@ def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimi
     backward outside the stack (walked as any step's, the tick loop's residual stacks held
     through it), the backward tick loop, or the update — in the better of XLA's two orders."""
     platform = shapes.platform(step)
+    if platform != "gpu":  # XLA:CPU's program: its own accounting, checked against XLA:CPU
+        return _pipelined_cpu(cfg, step, sched, params, optimizer, host, exact)
     plan = step.plan
     # the layers outside the stack run on the whole batch: traced with no microbatches
     whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
@@ -534,7 +560,10 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
         held = 0 if platform == "gpu" else running_sum
         options = compiler_options or {}
         threshold = options.get("xla_gpu_all_reduce_combine_threshold_bytes", gradients.COMBINE_THRESHOLD)
-        update, iteration = gradients.update_phase(cfg, step, uses, rolled, int(threshold), dtypes)
+        local = frozenset()
+        if cfg.train.microbatches > 1 and not place.params:  # the accumulation sums these axes locally
+            local = frozenset(trainer.reduced_once(step.layout, step.mesh, plan.shardings.params))
+        update, iteration = gradients.update_phase(cfg, step, uses, rolled, int(threshold), dtypes, local)
         update += held + fetched
     else:  # each gradient applied as it is produced: one at a time (and the running sum)
         grads = running_sum + one_at_a_time

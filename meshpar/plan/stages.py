@@ -8,7 +8,9 @@ Notation: S stages, M microbatches (``train.microbatches``), R groups of layers 
 device of a stage holds (the global batch over the batch axes), ``x`` the bytes of the layer
 stack's input for those B rows ([batch, length, embed] in the compute dtype).
 
-**Memory** (per device; :func:`meshpar.plan.memory.analytic` with a schedule puts these together).
+**Memory** of XLA:GPU's program (per device; :func:`meshpar.plan.memory.analytic` with a
+schedule puts these together; XLA:CPU's program, as this host compiles it, keeps the earlier
+accounting, :func:`cpu_activations` and :func:`cpu_buffers`, checked against XLA:CPU).
 Each stage holds the stack's parameters, gradients and optimizer state of its L/S layers: the
 ``layers`` dim of every stacked parameter is split over the stage axis, so the exact,
 layout-driven categories divide by S already (nothing here). The forward is one ``lax.scan``
@@ -201,6 +203,43 @@ def buffers(kept, sched: pipeline.Schedule, in_loop: bool) -> int:
     circular schedule's loop buffer's (R > 1)."""
     x = carry_bytes(kept) * sched.microbatches
     return x * (1 + in_loop + (sched.repeats > 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA:CPU's program (the step compiled for this host's devices, as the search and a CPU run
+# plan it): the accounting checked against XLA:CPU's compiled steps (scripts/validate_memory.py)
+
+
+def cpu_activations(kept, sched: pipeline.Schedule, weights: int = 0) -> int:
+    """A stage's saved activations (see the module docstring): `kept`, the residuals of one
+    microbatch traced with the layer loop rolled at one device's shapes (the stage's L/S layers).
+
+    The rolled layer loop hands each layer's weights to its backward as a per-layer slice, so
+    `kept` holds the stage's weights once (`weights`: their bytes on one device, as the layers
+    use them). Under GPipe the stage's weights are the same at every tick, and the tick loop
+    keeps them once, outside it: they are not a per-tick residual. Under the circular schedule
+    the group changes from tick to tick and each tick keeps its group's copy (T × a group's
+    weights, which is T/R × the stage's: counted with the rest of the stack)."""
+    stack = sum(r.total for r in kept if r.loop) - (weights if sched.repeats == 1 else 0)
+    rest = sum(r.total for r in kept if not r.loop)
+    return stack * sched.ticks // sched.repeats + rest * sched.microbatches
+
+
+def cpu_buffers(kept, sched: pipeline.Schedule, recomputed: int = 0) -> int:
+    """The pipeline's buffers beside the residuals (see the module docstring): the collected
+    outputs and the input's cotangent, the loop buffer under repeats, and `recomputed`, one
+    layer's residuals of one microbatch recomputed under remat (times the group's layers)."""
+    x = carry_bytes(kept) * sched.microbatches
+    group = 0
+    if recomputed:
+        group = recomputed * max(_len_group(kept, sched), 1)
+    return x * (2 + (sched.repeats > 1)) + group
+
+
+def _len_group(kept, sched: pipeline.Schedule) -> int:
+    """Layers in one group (L/(S·R)), from the traced stack's copies (L/S layers)."""
+    copies = max((r.copies for r in kept if r.loop), default=0)
+    return copies // sched.repeats
 
 
 # ---------------------------------------------------------------------------------------------
