@@ -37,7 +37,7 @@ LAYOUTS = [
 # -------------------------------------------------------------------------------------------
 # The cache against the full forward pass
 
-SMALL = dict(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=2, vocab_size=64, max_length=32)
+SMALL = {"d_model": 32, "n_heads": 4, "d_head": 8, "d_ff": 64, "n_layers": 2, "vocab_size": 64, "max_length": 32}
 
 
 @pytest.mark.parametrize(

@@ -263,8 +263,8 @@ PARTS = (
      "names no split dims: no model-axis candidates unless the config's layout puts a dim on model"),
     ("fsdp_dims", "fsdp", "names no FSDP dims: FSDP takes parameter dims by the bytes they cover"),
     ("activation_all_reduces", "search",
-     "gives no activation all-reduces: the estimate of a model-axis split counts none "
-     "(the compiled best K count them from HLO)"),
+     ("gives no activation all-reduces: the estimate of a model-axis split counts none "
+      "(the compiled best K count them from HLO)")),
     ("activation_names", "offload.activations",
      "names no activations: offload.activations other than none does not apply"),
 )  # fmt: skip

@@ -238,9 +238,10 @@ class _Found:
 
 
 # Ops that move no data and compute nothing (buffer bookkeeping).
-_FREE = frozenset(
-    "parameter constant get-tuple-element tuple bitcast partition-id replica-id after-all opt-barrier".split()
-)
+_FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
+    "opt-barrier",
+})  # fmt: skip
 
 
 def _schedule(module: hlo.Module) -> list[tuple[str, hlo.Op, int]]:
