@@ -38,6 +38,9 @@ CHEAP = frozenset({
 })  # fmt: skip
 # Ops that read their operands from memory: an operand is written out before they run.
 MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+# Reductions: each the root of a fusion of its own on XLA:GPU (the elementwise work before it fused in).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                        "argmax", "argmin", "cumsum", "cummax", "cumlogsumexp"})  # fmt: skip
 # Call-like primitives and the parameter holding their body.
 CALLS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -139,6 +142,11 @@ def is_rolled(eqn) -> bool:
 def is_matmul(eqn) -> bool:
     """A matmul or convolution: reads its operands from memory."""
     return op(eqn) in MATMULS
+
+
+def is_reduction(eqn) -> bool:
+    """A reduction over one or more dims (the root of a fusion of its own on XLA:GPU)."""
+    return op(eqn) in REDUCTIONS
 
 
 def is_relabel(eqn) -> bool:

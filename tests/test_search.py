@@ -163,3 +163,50 @@ def test_each_layout_gets_the_fewest_microbatches_that_fit():
     assert {r["microbatches"] for r in js["rows"] if r["fits"]} == {
         r.cfg.train.microbatches for r in result.rows if r.fits
     }
+
+
+@pytest.mark.gpu_target
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_the_estimates_kernels_are_a_lower_bound_on_the_gpu_programs(microbatches):
+    # The estimate's launches (the matmuls and reductions of jax.grad of the model's loss, once per
+    # pass) against the kernels XLA:GPU's program of the same step launches (deviceless): never
+    # more, and as many more again with each further pass; remat's recomputed forward adds matmuls.
+    from meshpar import parts
+    from meshpar.plan import gpu_target, timing
+
+    cfg = config_lib.load("experiments/quickstart.yaml", [f"train.microbatches={microbatches}"])
+    topo = topology.load("h100-sxm-8")
+    target = gpu_target.target(topo, cfg.mesh)
+    step = parts.abstract_step(cfg, devices=target.devices)
+    kernels = search_lib.pass_kernels(cfg, step)
+    compiled = timing.predict(cfg, step, step.lower().compile(), topo, 0.0).kernels
+    assert 0 < kernels * microbatches <= compiled
+    remat = config_lib.load("experiments/quickstart.yaml", ["model.remat=full"])
+    assert search_lib.pass_kernels(remat, parts.abstract_step(remat, devices=target.devices)) > kernels
+
+
+def test_the_compiled_best_are_distinct_layouts_each_at_its_best_count():
+    # A pipeline of the shipped 2-stage Transformer on 4 devices: each stage layout is planned at every
+    # count of at least 2 microbatches, and each further microbatch launches every kernel of a pass
+    # again. The K compiled are K layouts, each at the count its estimate ranks first.
+    cfg = config_lib.load("experiments/transformer_pipeline.yaml", ["mesh=data:2,stage:2", "train.batch_size=8",
+                                                                    "train.microbatches=2"])  # fmt: skip
+    result = search_lib.search(cfg, topology.load("h100-sxm-8"), 4, top=2)
+    compiled = [r for r in result.rows if r.predicted is not None]
+    assert len(compiled) == 2
+    assert len({r.option_key for r in compiled}) == 2
+    for row in compiled:
+        same = [r for r in result.rows if r.option_key == row.option_key and r.fits]
+        assert row.estimate.total_s == min(r.estimate.total_s for r in same)
+    staged = [r for r in result.rows if r.option.stage]
+    counts: dict[tuple, list[int]] = {}
+    for r in staged:
+        counts.setdefault(r.option_key, []).append(r.cfg.train.microbatches)
+    assert any(len(c) > 1 for c in counts.values())  # several counts planned for a stage layout
+    for row in staged:  # the launches grow with the microbatches at a fixed layout
+        more = [
+            r
+            for r in staged
+            if r.option_key == row.option_key and r.cfg.train.microbatches > row.cfg.train.microbatches
+        ]
+        assert all(r.estimate.launch_s > row.estimate.launch_s for r in more)

@@ -278,6 +278,7 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "input
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
 HOST_EXACT = frozenset({"params", "optimizer", "activations"})  # host offload's column (see above)
 
+
 @dataclasses.dataclass(frozen=True)
 class Breakdown:
     """Per-device bytes on the most loaded device, by category (see the module docstring)."""
@@ -300,8 +301,9 @@ class Breakdown:
         return sum(self.host.values())
 
 
-def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False,
-                rolled: bool = False):
+def local_loss(
+    cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False, rolled: bool = False
+):
     """The model's loss as a function of the parameters and the batch, and the parameters at one
     device's shapes (see :func:`saved_activations` for `remat` and `unrolled`)."""
     state, batch, _ = step.args
@@ -328,9 +330,17 @@ def _local_loss(cfg: Config, step: parts.AbstractStep, remat: str | None = None,
 
 
 def saved_activations(
-    cfg: Config, step: parts.AbstractStep, remat: str | None = None, read: set[int] | None = None,
-    uses: dict | None = None, slices: list | None = None, casts: list | None = None, unrolled: bool = False,
-    matmuls_at: dict | None = None, dtypes: dict | None = None, rolled: bool = False,
+    cfg: Config,
+    step: parts.AbstractStep,
+    remat: str | None = None,
+    read: set[int] | None = None,
+    uses: dict | None = None,
+    slices: list | None = None,
+    casts: list | None = None,
+    unrolled: bool = False,
+    matmuls_at: dict | None = None,
+    dtypes: dict | None = None,
+    rolled: bool = False,
 ) -> list[residuals.Residual]:
     """What one device keeps for the backward pass of one microbatch
     (:func:`meshpar.plan.residuals.kept_residuals` of the model's loss at per-device shapes, no
@@ -346,7 +356,7 @@ def saved_activations(
     the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.residuals.kept_residuals`).
     `rolled`: trace the layer loop as a loop (every residual its body hands out kept, one layer's
     loop too), as a pipeline stage's layers run inside the tick loop (:mod:`meshpar.plan.stages`)."""
-    loss, params = _local_loss(cfg, step, remat, unrolled, rolled)
+    loss, params = local_loss(cfg, step, remat, unrolled, rolled)
     local = shapes.device_batch(cfg, step)
     with shapes.on_target(step):  # the layer loop's form and the attention kernel the target's
         cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
@@ -432,7 +442,7 @@ def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimi
     tick_at: dict = {}
     kept = saved_activations(cfg, step, rolled=True, matmuls_at=tick_at)  # one microbatch: a tick's
     loop_at = min((r.at for r in outer if r.loop), default=0)
-    loss, local = _local_loss(whole, step, rolled=True)
+    loss, local = local_loss(whole, step, rolled=True)
     with shapes.on_target(step):  # the logits cast to float32 for the loss: their cotangent comes back in it
         widened = stages.widened_matmuls(jax.make_jaxpr(loss)(local, shapes.device_batch(whole, step)).jaxpr)
     outside = [dataclasses.replace(r, cot=widened[r.nbytes]) if r.label == "dot_general" and not r.cot
@@ -618,7 +628,9 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
     backward = walk + activations - sum(r.total for r in kept) - gathered.kept + running_sum + gathered.loop + workspace
     backward += 0 if loops else during
     if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
-        backward += cfg.train.microbatches * sum(residuals.nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step)))
+        backward += cfg.train.microbatches * sum(
+            residuals.nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step))
+        )
     if cfg.train.microbatches > 1:  # the gathers and casts leave the accumulation loop: every copy held through it
         if platform == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
             backward += gathered.layers + sum(casts)
@@ -626,7 +638,11 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
             backward += gathered.rest + gathered.layers + sum(casts)
             update += gathered.copies
         nparams = len(jax.tree.leaves(plan.abstract.params))  # the body's own microbatch of what the backward reads
-        backward += sum(residuals.nbytes(b) for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step))) if nparams + j in read)
+        backward += sum(
+            residuals.nbytes(b)
+            for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step)))
+            if nparams + j in read
+        )
     categories = _categories(
         cfg, step, params=params, grads=grads, optimizer=optimizer, activations=activations,
         workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,

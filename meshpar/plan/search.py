@@ -77,10 +77,17 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
   and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
   axis's activation all-reduces scaled alike); and 2·T ``collective-permute`` ops of one
   microbatch's stack output plus one all-reduce of the batch's over the stage axis's link;
+* launches — the fixed cost of every kernel (the topology's ``kernels.launch_us``) times the
+  kernels one device launches: :func:`pass_kernels` per pass (the matmuls and reductions of the
+  model's training jaxpr, a lower bound on the compiled program's), once per microbatch of
+  accumulation, and spread over a pipeline's ticks like its FLOPs; so more microbatches cost
+  what they cost on a GPU (each pass launches every kernel again), not nothing;
 * feed — the batch's placement time (:mod:`meshpar.plan.feed_time`), only the part longer
   than compute when ``feed.prefetch`` ≥ 1.
 
-**Then compiled**: the top K by that estimate are compiled ahead of time (nothing allocated)
+**Then compiled**: the top K layouts by that estimate, each at its best-estimated microbatch
+count (K counts of one layout would leave the other layouts unread, and the largest counts
+compile slowest), are compiled ahead of time (nothing allocated)
 and ranked by the HLO-based model (:func:`meshpar.plan.timing.predict`), their XLA memory
 checked against the capacity too. The ranking: compiled and fitting first, by the HLO model;
 then the other fitting ones, by the estimate. Predictions within :data:`TIE` of the fastest
@@ -103,13 +110,24 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, compile_cache, models, parts, pipeline, throughput, trainer
+from meshpar import aot, compile_cache, jaxprs, models, parts, pipeline, throughput, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar.config import Config, ConfigError
-from meshpar.plan import candidates, cost, gpu_target, memory, offload_cost, offload_plan, stages, timing, unified
+from meshpar.plan import (
+    candidates,
+    cost,
+    gpu_target,
+    memory,
+    offload_cost,
+    offload_plan,
+    shapes,
+    stages,
+    timing,
+    unified,
+)
 from meshpar.plan.report import fmt_bytes
 
 MODEL_AXIS = candidates.MODEL_AXIS
@@ -249,6 +267,8 @@ class Estimate:
     exposed_feed_s: float
     pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.stages)
     paging_s: float = 0.0  # unified memory: what its page faults stall (meshpar.plan.unified)
+    kernels: float = 0.0  # kernels one device launches per step, at least (see pass_kernels)
+    launch_s: float = 0.0  # their fixed cost: kernels × the topology's launch_us
 
     @property
     def collective_s(self) -> float:
@@ -256,7 +276,24 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s
+        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s + self.launch_s
+
+
+def pass_kernels(cfg: Config, step: parts.AbstractStep) -> int:
+    """The kernels one microbatch's forward and backward pass launches at least: the matmuls and
+    reductions of the model's own training jaxpr (``jax.grad`` of its loss under its
+    ``model.remat`` policy, the recomputed forward included; loop bodies × their trip counts),
+    traced for the target (its layer-loop form and attention kernel). XLA:GPU emits each matmul
+    as its own kernel (a library call or a GEMM fusion) and each reduction as the root of a
+    fusion of its own; the elementwise work fuses into them and is not counted, so this is a
+    lower bound on the compiled program's kernels (:attr:`meshpar.plan.timing.Span.kernels`).
+    Counted at the global shapes: the count does not depend on the layout (splitting a matmul
+    leaves one per device; a stage axis's share of the layers is the estimate's to take)."""
+    loss, _ = memory.local_loss(cfg, step)
+    state, batch, _ = step.args
+    with shapes.on_target(step):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)
+    return sum(copies for eqn, copies, _ in jaxprs.walk(jaxpr) if jaxprs.is_matmul(eqn) or jaxprs.is_reduction(eqn))
 
 
 def _axes_of(spec) -> set[str]:
@@ -288,9 +325,16 @@ def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], comp
 
 
 def estimate(
-    cfg: Config, option: Option, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, dims
+    cfg: Config,
+    option: Option,
+    step: parts.AbstractStep,
+    breakdown: memory.Breakdown,
+    topo,
+    dims,
+    kernels: int = 0,
 ) -> Estimate:
-    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`."""
+    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`;
+    `kernels`: those one microbatch's pass launches (:func:`pass_kernels`; 0: not counted)."""
     sizes = option.sizes
     spec, family = step.element_spec, models.family(cfg.model.name)
     batch_ways = math.prod(sizes[a] for a in option.batch)
@@ -330,9 +374,14 @@ def estimate(
         rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
         traffic = stages.traffic(sched, rows, length, width, itemsize)
         pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
+    # every pass launches its kernels again: k passes of accumulation; a pipeline's M microbatches
+    # spread over its ticks like its FLOPs (a stage runs its share of the layers per tick)
+    launches = kernels * (sched.microbatches * scale if sched is not None else k)
+    launch_s = launches * topo.kernels.launch_s if topo.kernels is not None else 0.0
     feed_s = cost.feed_seconds(cfg, topo)
     exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
-    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s)
+    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s,
+                    kernels=launches, launch_s=launch_s)  # fmt: skip
 
 
 def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
@@ -364,6 +413,11 @@ class Row:
     compiled: object = dataclasses.field(default=None, repr=False)  # the train step, when compiled
     replaces_param_layout: bool = False  # the config has a param_layout of its own
     given_microbatches: int = 1  # the config's own train.microbatches
+
+    @property
+    def option_key(self) -> tuple:
+        """Its layout's key, whatever its microbatch count (:meth:`Option.key`)."""
+        return dataclasses.replace(self.option, microbatches=1).key()
 
     @property
     def step_s(self) -> float:
@@ -504,7 +558,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     meshes: dict[str, jax.sharding.Mesh] = {}
     illegal: dict[str, int] = {}
     rows: list[Row] = []
-    cap = None
+    cap, kernels = None, None
     for i, option in enumerate(distinct):
         say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
         try:
@@ -532,7 +586,9 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
             chosen = dataclasses.replace(option, microbatches=k)
             cap = cap or cost.machine_capacity(cfg, topo, mesh)
             fits = breakdown.total <= cap.usable_bytes
-            est = estimate(new, chosen, step, breakdown, topo, dims)
+            if kernels is None:  # the same for every layout: counted once, on the first legal one
+                kernels = pass_kernels(new, step)
+            est = estimate(new, chosen, step, breakdown, topo, dims, kernels)
             if cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
                 est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, topo, cap))
             own = _is_own(cfg, chosen, new, own_mesh)
@@ -553,10 +609,15 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     if cap is None:  # nothing legal: the capacity of these devices, for the report
         cap = cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
+    # the best K layouts, each at its best-estimated microbatch count: K counts of one layout would
+    # leave the others unread (and many microbatches compile slowest)
+    layouts: set[tuple] = set()
+    picked = [r for r in fitting if not (r.option_key in layouts or layouts.add(r.option_key))][:top]
+    fitting = picked + [r for r in fitting if all(r is not p for p in picked)]
     target = gpu_target.target(topo, ((MODEL_AXIS, num_devices),))
     compiled_for = target.compiled_for or "cpu"
-    for i, row in enumerate(fitting[:top]):
-        say(f"compiling {i + 1}/{min(top, len(fitting))}: {row.cfg.mesh_str} {row.cfg.layout_str}")
+    for i, row in enumerate(fitting[: len(picked)]):
+        say(f"compiling {i + 1}/{len(picked)}: {row.cfg.mesh_str} {row.cfg.layout_str}")
         t = time.perf_counter()
         if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
             on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
@@ -567,8 +628,8 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
         row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
         row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
         row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
-    compiled = fitting[:top]
-    ranked = rank_compiled([r for r in compiled if r.fits]) + fitting[top:]
+    compiled = fitting[: len(picked)]
+    ranked = rank_compiled([r for r in compiled if r.fits]) + fitting[len(picked) :]
     ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
     return Result(
         ranked, topo, cap, num_devices, len(options), len(options) - len(distinct), illegal, len(compiled),
