@@ -21,6 +21,7 @@ from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
 from meshpar import pipeline as pipeline_lib
 from meshpar import models as models_lib
+from meshpar import sources
 from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
 from meshpar.schema import parse_yaml
 
@@ -33,7 +34,7 @@ class DataConfig:
     # disk), text (token windows of a directory of .py files; default the Python standard
     # library), tfds_text (token windows of a tfds Text feature); tokens as data.tokenizer says;
     # tokens (windows of a corpus prepared by `python -m meshpar.data prepare`, at data.path).
-    source: Literal["synthetic", "tfds", "text", "tfds_text", "tokens"] = "synthetic"
+    source: Literal[sources.names()] = "synthetic"
     # synthetic: train / eval rows, input width ("pixels") and number of classes (labels are int32).
     num_examples: int = dataclasses.field(default=16384, metadata=at_least(1))
     num_eval_examples: int = dataclasses.field(default=2048, metadata=at_least(0))
@@ -410,10 +411,6 @@ def _check_coordinator(address: str) -> None:
         raise ConfigError("distributed.coordinator", f"{short(address)} {bad} (e.g. 10.0.0.1:1234)")
 
 
-# The sources whose examples are windows of data.length + 1 token ids.
-WINDOW_SOURCES = ("text", "tfds_text", "tokens")
-
-
 def check(cfg: Config) -> None:
     """Cross-section checks that need no device."""
     try:
@@ -439,16 +436,8 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"optimizer.{name}", f"must be in [0, 1), got {b}")
     check_batch_size(cfg, dict(cfg.mesh))
     check_pipeline(cfg, dict(cfg.mesh))
-    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.name:
-        raise ConfigError("data.name", f"required when data.source is {cfg.data.source}")
-    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.data_dir:
-        raise ConfigError("data.data_dir", f"required when data.source is {cfg.data.source} (data is read offline)")
-    if cfg.data.source in ("tfds", "tfds_text") and not cfg.data.split:
-        raise ConfigError("data.split", f"required when data.source is {cfg.data.source} (the split to train on)")
-    if cfg.data.source == "tokens" and not cfg.data.path:
-        raise ConfigError("data.path", "required when data.source is tokens (a folder written by python -m meshpar.data prepare)")
-    if cfg.data.source == "tokens" and not cfg.data.split:
-        raise ConfigError("data.split", "required when data.source is tokens (the corpus's split to train on, e.g. train)")
+    source = sources.of(cfg.data)
+    source.check(cfg.data)
     if cfg.feed.reuse_buffers and cfg.data.workers:
         raise ConfigError("feed.reuse_buffers", f"needs data.workers: 0 (with {cfg.data.workers} workers, batches arrive in shared memory)")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume == "auto":
@@ -457,11 +446,11 @@ def check(cfg: Config) -> None:
         if not _is_key(cfg, key):
             raise ConfigError(f"checkpoint.allow_changes[{i}]", f"{short(key)} is not a config key or section")
     max_length = getattr(cfg.model, "max_length", None)
-    if cfg.data.source in WINDOW_SOURCES and max_length is not None and cfg.data.length > max_length:
+    if source.token_windows and max_length is not None and cfg.data.length > max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
     _check_offload(cfg)
     block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
-    if cfg.data.source in WINDOW_SOURCES and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
+    if source.token_windows and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
         raise ConfigError(
             "model.attention_block", f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)"
         )

@@ -49,7 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshpar import config as config_lib
 from meshpar import mesh as mesh_lib
-from meshpar import throughput
+from meshpar import sources, throughput
 from meshpar.checkpoint import Checkpointer, CheckpointError
 from meshpar.errors import DataError, OutputError, TrainingError
 from meshpar.experiment import Experiment
@@ -76,11 +76,6 @@ def evaluate(exp: Experiment, state) -> dict[str, float]:
     return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
-# The config key that, when zero or empty, leaves a data source without an eval split.
-_EVAL_SPLIT_KEY = {"synthetic": "data.num_eval_examples", "tfds": "data.eval_split", "tfds_text": "data.eval_split",
-                   "text": "data.eval_fraction", "tokens": "data.eval_split"}
-
-
 def _steps(first: int, last: int) -> str:
     return f"step {first}" if first == last else f"steps {first}..{last}"
 
@@ -100,8 +95,8 @@ def notices(exp: Experiment, start: int) -> list[str]:
             lines.append(f"profile: train.profile asks for {_steps(first, last)} but {' and '.join(why)}: {done}")
     evaluation = exp.inputs.eval
     if train.eval_every and evaluation is None:
-        key = _EVAL_SPLIT_KEY.get(exp.cfg.data.source)
-        why = f" ({key} is {getattr(exp.cfg.data, key.removeprefix('data.'))!r})" if key else ""
+        key = sources.of(exp.cfg.data).eval_key  # the setting that, zero or empty, leaves no eval split
+        why = f" (data.{key} is {getattr(exp.cfg.data, key)!r})" if key else ""
         lines.append(f"eval: train.eval_every is {train.eval_every} but there is no eval split{why}: no eval")
     elif train.eval_every and train.eval_batches > evaluation.batches_per_epoch:
         held, examples = evaluation.batches_per_epoch, len(evaluation.source)

@@ -22,6 +22,7 @@ from input_pipeline.text import SEPARATOR, TextSource, from_tfds, tokenize_bytes
 from meshpar import config as config_lib
 from meshpar import inputs, parts
 from meshpar.config import ConfigError
+from meshpar.sources import text as text_source
 
 try:  # works whether or not tests/ is a package on sys.path
     from tests import tfds_fixtures as fx
@@ -316,7 +317,7 @@ def test_element_spec_reads_the_tokenizer_file_only(monkeypatch, tmp_path):
         raise AssertionError("the corpus was tokenized")
 
     monkeypatch.setattr(tokenizer_lib.HFTokenizer, "encode_batch", refuse)
-    monkeypatch.setattr(inputs, "TextSource", refuse)
+    monkeypatch.setattr(text_source, "TextSource", refuse)
     data = _cfg(f"data.tokenizer={BPE_2K}").data
     assert inputs.element_spec(data, 0) == {"tokens": ((17,), np.dtype(np.uint16))}
     # A folder holding a tokenizer.json (a Hugging Face model's) names it too.
