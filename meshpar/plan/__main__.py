@@ -43,7 +43,6 @@ config or data mistake (an unknown ``--topology`` included), with one line ``con
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import pathlib
@@ -52,10 +51,20 @@ import sys
 
 from rich.console import Console
 
-from meshpar import config as config_lib
 from meshpar import compile_cache, errors, models, parts
+from meshpar import config as config_lib
 from meshpar.config import ConfigError
-from meshpar.plan import cost, feed_time, gpu_target, offload_cost, out_of_core, search_report, time_report, timing, topology
+from meshpar.plan import (
+    cost,
+    feed_time,
+    gpu_target,
+    offload_cost,
+    out_of_core,
+    search_report,
+    time_report,
+    timing,
+    topology,
+)
 from meshpar.plan import report as report_lib
 from meshpar.plan import search as search_lib
 
@@ -71,7 +80,6 @@ def _topology(cfg, name: str):
 
 def compare_feeding(cfg, topo, png: str | None) -> int:
     """Print (and draw) routed vs direct placement for batch sizes 1 MiB … 1 GiB on `topo`."""
-
 
     split = cost.config_split(cfg, topo)
     rows = feed_time.compare(topo, split.num_devices, split.shards, split.fields)
@@ -105,7 +113,6 @@ def _write(path: str, text: str) -> None:
 def search(cfg, args, argv: list[str]) -> int:
     """Search the layouts of `cfg` on the named machine (default cpu-sim); print, and write
     the best as YAML (``--write``) and the search as JSON (``--json``)."""
-
 
     if args.top is not None and args.top < 0:
         raise ConfigError("--top", f"compiles that many layouts: a count >= 0, got {args.top}")
@@ -173,13 +180,18 @@ def compare_out_of_core(cfg, args) -> int:
     with compile_cache.suspended(target.compile_only):
         mesh = parts.make_mesh(cfg, target.devices)
         if mesh.size > topo.num_devices:
-            raise ConfigError("--topology", f"{topo.name} has {topo.num_devices} devices, the config's mesh {mesh.size}")
+            raise ConfigError(
+                "--topology", f"{topo.name} has {topo.num_devices} devices, the config's mesh {mesh.size}"
+            )
         with Console(stderr=True).status("pricing") as status:
             status.update(f"pricing {len(sizes)} batch sizes on {topo.name}")
             result = out_of_core.compare(cfg, topo, sizes, mesh, overlap=not args.no_overlap)
     compiled_for = target.compiled_for or gpu_target.host_label(mesh)
     if args.json:
-        _write(args.json, json.dumps({"compiled_for": compiled_for, **out_of_core.to_json(result, args.layer)}, indent=2) + "\n")
+        _write(
+            args.json,
+            json.dumps({"compiled_for": compiled_for, **out_of_core.to_json(result, args.layer)}, indent=2) + "\n",
+        )
     console = Console(width=max(Console().width, 150))
     if target.note:
         console.print(target.note, markup=False, soft_wrap=True)
@@ -241,7 +253,7 @@ def price(cfg, step, report, topos, sizes: list[int] | None = None, overlap: boo
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m meshpar.plan", description="Per-device memory plan of a config.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON here")
@@ -263,46 +275,67 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sweep", metavar="B,B,...", help="with --compare-out-of-core: these global batch sizes")
     parser.add_argument("--layer", action="store_true", help="with --compare-out-of-core: also one layer's figures")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_intermixed_args(argv)
-    step_time = topo = offload = None
-    target = gpu_target.Target(None, "")
-    stack = contextlib.ExitStack()
-    try:
-        cfg = config_lib.load(args.config, args.overrides)
-        if args.search or args.write or args.top is not None:
-            if not args.search:
-                raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")
-            if args.compare_feeding:
-                raise ConfigError("--search", "and --compare-feeding are separate commands: pick one")
-            return search(cfg, args, argv)
-        if (args.batch_sweep is not None or args.layer) and not args.compare_out_of_core:
-            raise ConfigError("--batch-sweep" if args.batch_sweep is not None else "--layer",
-                              "goes with --compare-out-of-core: add it")  # fmt: skip
-        if args.compare_out_of_core:
-            if args.compare_feeding or args.offload_sweep is not None:
-                other = "--compare-feeding" if args.compare_feeding else "--offload-sweep"
-                raise ConfigError("--compare-out-of-core", f"and {other} are separate commands: pick one")
-            if not args.topology:
-                known = ", ".join(topology.names())
-                raise ConfigError("--topology", f"--compare-out-of-core needs a machine (known: {known})")
-            return compare_out_of_core(cfg, args)
-        if args.compare_feeding or args.png:
-            if not args.compare_feeding:
-                raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")
-            if not args.topology:
-                known = ", ".join(topology.names())
-                raise ConfigError("--topology", f"--compare-feeding needs a machine (known: {known})")
-            return compare_feeding(cfg, _topology(cfg, args.topology), args.png)
-        if not args.topology and (args.offload_sweep is not None or args.no_overlap):
-            raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
-                              "prices offload on a machine: add --topology NAME")  # fmt: skip
+    return parser
 
-        if args.topology:
-            topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
-            sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
-        target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
-        stack.enter_context(compile_cache.suspended(target.compile_only))
+
+def _mode(args) -> str:
+    """The mode the flags pick (``search``, ``out-of-core``, ``feeding`` or ``plan``); a flag
+    without its mode, two modes at once, or a mode without the machine it needs is a
+    :class:`ConfigError` naming the flag."""
+    if args.search or args.write or args.top is not None:
+        if not args.search:
+            raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")
+        if args.compare_feeding:
+            raise ConfigError("--search", "and --compare-feeding are separate commands: pick one")
+        return "search"
+    if (args.batch_sweep is not None or args.layer) and not args.compare_out_of_core:
+        raise ConfigError("--batch-sweep" if args.batch_sweep is not None else "--layer",
+                          "goes with --compare-out-of-core: add it")  # fmt: skip
+    if args.compare_out_of_core:
+        if args.compare_feeding or args.offload_sweep is not None:
+            other = "--compare-feeding" if args.compare_feeding else "--offload-sweep"
+            raise ConfigError("--compare-out-of-core", f"and {other} are separate commands: pick one")
+        _needs_topology(args, "--compare-out-of-core")
+        return "out-of-core"
+    if args.compare_feeding or args.png:
+        if not args.compare_feeding:
+            raise ConfigError("--png", "draws the --compare-feeding plot: add --compare-feeding")
+        _needs_topology(args, "--compare-feeding")
+        return "feeding"
+    if not args.topology and (args.offload_sweep is not None or args.no_overlap):
+        raise ConfigError("--offload-sweep" if args.offload_sweep is not None else "--no-overlap",
+                          "prices offload on a machine: add --topology NAME")  # fmt: skip
+    return "plan"
+
+
+def _needs_topology(args, flag: str) -> None:
+    if not args.topology:
+        raise ConfigError("--topology", f"{flag} needs a machine (known: {', '.join(topology.names())})")
+
+
+@dataclasses.dataclass
+class _Planned:
+    """The default mode's figures, printed once nothing more can fail."""
+
+    report: report_lib.Report
+    compiled_for: str
+    note: str
+    missing: list
+    topo: object = None
+    priced: Priced | None = None
+    rates: dict | None = None
+
+
+def plan(cfg, args) -> _Planned:
+    """The default mode: the memory plan of the config's step (compiled for the named machine's
+    GPU where its compiler is installed), with its time and offload priced on that machine;
+    written as JSON to ``--json``."""
+    topo = sizes = None
+    if args.topology:
+        topo = _topology(cfg, args.topology)  # an unknown name fails before anything compiles
+        sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
+    target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
+    with compile_cache.suspended(target.compile_only):
         step = parts.abstract_step(cfg, devices=target.devices)
         parts.say_unused_rules(cfg, step.mesh, step.plan)  # layout rules that cannot apply
         # The machine's device when a machine is named (on cpu-sim: this host's, as a run checks it).
@@ -310,45 +343,66 @@ def main(argv: list[str] | None = None) -> int:
         report = report_lib.plan(cfg, step, capacity=capacity)
         compiled_for = target.compiled_for or gpu_target.host_label(step.mesh)
         missing = models.missing(cfg.model.name)  # the figures the family gives no part for
+        out = _Planned(report, compiled_for, target.note, missing, topo)
         if topo is not None:
-            (priced,) = price(cfg, step, report, [topo], sizes, not args.no_overlap)
-            feed_s, step_time, offload = priced.feed_s, priced.step_time, priced.offload
-            rates = step_time and time_report.model_rates(cfg, step, step_time, topo)
-        if args.json:
-            out = {"compiled_for": compiled_for, **report.to_json(), "missing": missing}
-            if topo is not None:
-                timed = step_time and {**timing.to_json(step_time), **rates}
-                out["time"] = {"topology": topo.name, "feed_s": feed_s, "step": timed}
-                out["offload"] = offload and offload.to_json()
-                out["unfit"] = priced.unfit or None
-            try:
-                pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-            except OSError as e:
-                raise errors.OutputError(f"cannot write {args.json}: {e.strerror}") from None
-    except Exception as e:
-        return errors.report(e)
-    finally:
-        stack.close()
+            (out.priced,) = price(cfg, step, report, [topo], sizes, not args.no_overlap)
+            out.rates = out.priced.step_time and time_report.model_rates(cfg, step, out.priced.step_time, topo)
+    if args.json:
+        _write_plan_json(args.json, out)
+    return out
 
+
+def _write_plan_json(path: str, p: _Planned) -> None:
+    out = {"compiled_for": p.compiled_for, **p.report.to_json(), "missing": p.missing}
+    if p.topo is not None:
+        timed = p.priced.step_time and {**timing.to_json(p.priced.step_time), **p.rates}
+        out["time"] = {"topology": p.topo.name, "feed_s": p.priced.feed_s, "step": timed}
+        out["offload"] = p.priced.offload and p.priced.offload.to_json()
+        out["unfit"] = p.priced.unfit or None
+    try:
+        pathlib.Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    except OSError as e:
+        raise errors.OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _print_plan(p: _Planned) -> int:
     console = Console(width=max(Console().width, 136))
-    if target.note:
-        console.print(target.note, markup=False, soft_wrap=True)
-    console.print(f"compiled for: {compiled_for}", markup=False)
-    console.print(report_lib.table(report))
-    console.print(report_lib.programs_table(report))
-    if report.analytic_missing:
-        console.print(f"analytic: {report.analytic_missing}")
-    console.print(f"{report.verdict()} (needed: {report.needed_from})", markup=False)
-    for m in missing:
+    if p.note:
+        console.print(p.note, markup=False, soft_wrap=True)
+    console.print(f"compiled for: {p.compiled_for}", markup=False)
+    console.print(report_lib.table(p.report))
+    console.print(report_lib.programs_table(p.report))
+    if p.report.analytic_missing:
+        console.print(f"analytic: {p.report.analytic_missing}")
+    console.print(f"{p.report.verdict()} (needed: {p.report.needed_from})", markup=False)
+    for m in p.missing:
         console.print(m["line"], markup=False, soft_wrap=True)
-    if topo is not None and priced.unfit:
-        console.print(priced.unfit, markup=False)
+    if p.topo is not None and p.priced.unfit:
+        console.print(p.priced.unfit, markup=False)
         return 1
-    if topo is not None:
-        console.print(time_report.step_table(step_time, topo))
-        console.print(time_report.rates_line(rates), markup=False)
-        offload.print(console, topo)
-    return 0 if report.fits else 1
+    if p.topo is not None:
+        console.print(time_report.step_table(p.priced.step_time, p.topo))
+        console.print(time_report.rates_line(p.rates), markup=False)
+        p.priced.offload.print(console, p.topo)
+    return 0 if p.report.fits else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        mode = _mode(args)
+        if mode == "search":
+            return search(cfg, args, argv)
+        if mode == "out-of-core":
+            return compare_out_of_core(cfg, args)
+        if mode == "feeding":
+            return compare_feeding(cfg, _topology(cfg, args.topology), args.png)
+        planned = plan(cfg, args)
+    except Exception as e:  # noqa: BLE001 - errors.report re-raises what it does not report
+        return errors.report(e)
+    return _print_plan(planned)
 
 
 if __name__ == "__main__":
