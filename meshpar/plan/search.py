@@ -516,6 +516,139 @@ def _choice(option: Option) -> tuple:
     return mesh, option.batch, option.model, option.fsdp, option.stage
 
 
+def _own_choice(cfg: Config, dims: tuple[str, ...], num_devices: int) -> tuple[dict[str, int], tuple]:
+    """The config's own mesh, and its choice as :func:`_choice` writes an option's."""
+    try:
+        own_mesh = dict(mesh_lib.resolve(cfg.mesh, num_devices))
+    except mesh_lib.MeshError:
+        own_mesh = {}
+    batch_rule = dict(cfg.layout).get("batch")
+    own = (
+        own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
+        any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
+        dict(cfg.layout).get("layers") == STAGE_AXIS,
+    )  # fmt: skip
+    return own_mesh, own
+
+
+def distinct(options: list[Option], own_choice: tuple) -> list[Option]:
+    """One option of each group of duplicates (:meth:`Option.key`): the config's own, else the plainest."""
+
+    def preference(option: Option) -> tuple:
+        return (_choice(option) != own_choice, *option.oddness())
+
+    kept: dict[tuple, Option] = {}
+    for option in options:
+        key = option.key()
+        if key not in kept or preference(option) < preference(kept[key]):
+            kept[key] = option
+    return [o for o in options if kept[o.key()] is o]
+
+
+@dataclasses.dataclass
+class _Planner:
+    """Plans options of one config on one machine: each at its microbatch counts, legal or not
+    (counted by the key they fail on), its memory, fit and estimate."""
+
+    cfg: Config
+    topo: object
+    spec: dict
+    dims: tuple[str, ...]
+    params: list
+    own_mesh: dict[str, int]
+    own_choice: tuple
+    illegal: dict[str, int] = dataclasses.field(default_factory=dict)
+    meshes: dict[str, jax.sharding.Mesh] = dataclasses.field(default_factory=dict)
+    cap: cost.Capacity | None = None
+    kernels: int | None = None  # one pass's (pass_kernels): the same for every layout, counted once
+
+    def _fail(self, key: str) -> None:
+        self.illegal[key] = self.illegal.get(key, 0) + 1
+
+    def row(self, option: Option, new: Config) -> Row:
+        """`option` planned as the config `new`; raises what makes it illegal."""
+        mesh = self.meshes.get(new.mesh_str) or self.meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
+        step = parts.abstract_step(new, mesh, self.spec)
+        breakdown = memory.analytic(new, step)
+        self.cap = self.cap or cost.machine_capacity(self.cfg, self.topo, mesh)
+        if self.kernels is None:
+            self.kernels = pass_kernels(new, step)
+        est = estimate(new, option, step, breakdown, self.topo, self.dims, self.kernels)
+        if self.cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
+            est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, self.topo, self.cap))
+        own = _is_own(self.cfg, option, new, self.own_mesh)
+        return Row(option, new, step, breakdown.total, est, breakdown.total <= self.cap.usable_bytes, own,
+                   replaces_param_layout=bool(self.cfg.param_layout),
+                   given_microbatches=self.cfg.train.microbatches)  # fmt: skip
+
+    def rows(self, option: Option) -> list[Row]:
+        """The rows `option` gives (see the module docstring): with a stage axis one per count;
+        without, the fewest microbatches that fit (and the config's own count on its own layout),
+        or where none fits the one with the fewest bytes."""
+        cfg = self.cfg
+        try:
+            layout, param_layout = rules(option, self.dims, self.params, cfg, self.spec)
+        except ConfigError as e:
+            self._fail(e.key)
+            return []
+        counts = microbatch_counts(cfg, option, self.own_choice)
+        own_layout = _choice(option) == self.own_choice
+        out: list[Row] = []
+        last, least, found = None, None, False
+        for k in counts:
+            try:
+                new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
+                row = self.row(dataclasses.replace(option, microbatches=k), new)
+            except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
+                key = getattr(e, "key", None) or (
+                    "layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__
+                )
+                self._fail(key)
+                if key == "train.microbatches":
+                    continue
+                break  # the layout itself is illegal, whatever the microbatches
+            if option.stage or row.own or (row.fits and not found):
+                out.append(row)
+            found = found or row.fits
+            # from 2 microbatches on (the first adds the float32 running sum) more only save bytes
+            # while the activations of one microbatch are still worth halving
+            falls = last is None or last.cfg.train.microbatches == 1 or row.memory_bytes < last.memory_bytes
+            least = row if least is None or row.memory_bytes < least.memory_bytes else least
+            last = row
+            if not option.stage and ((found and k >= counts[-1 if own_layout else 0]) or not falls):
+                break  # gradient accumulation: the fewest microbatches that fit, or no more bytes saved
+        if not (option.stage or found) and least is not None and all(least is not r for r in out):
+            out.append(least)  # nothing fits: its fewest bytes, as its one row
+        return out
+
+
+def best_layouts(fitting: list[Row], top: int) -> list[Row]:
+    """The `top` best estimates of distinct layouts, each at its best-estimated microbatch count:
+    K counts of one layout would leave the others unread (and many microbatches compile slowest)."""
+    layouts: set[tuple] = set()
+    picked = []
+    for row in sorted(fitting, key=lambda r: r.estimate.total_s):
+        if len(picked) < top and row.option_key not in layouts:
+            layouts.add(row.option_key)
+            picked.append(row)
+    return picked
+
+
+def compile_row(row: Row, target: gpu_target.Target, topo, spec: dict, cap: cost.Capacity) -> None:
+    """Compile `row`'s step ahead of time for `target` and rank it by the HLO model: its
+    prediction, XLA's bytes, and whether it still fits with them."""
+    t = time.perf_counter()
+    if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
+        on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
+        row.step = parts.abstract_step(row.cfg, on_target, spec)
+    with compile_cache.suspended(target.compile_only):
+        row.compiled = row.step.lower().compile()
+    row.compile_s = time.perf_counter() - t
+    row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
+    row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
+    row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
+
+
 def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
     """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
     the `top` best estimates and rank (see the module docstring). `progress(text)`: called as
@@ -532,108 +665,28 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
     family = models.family(cfg.model.name)
     _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
-    params = candidates.param_dims(abstract_params)
     dims = model_dims(cfg)
     options = enumerate_options(cfg, num_devices)
-    try:
-        own_mesh = dict(mesh_lib.resolve(cfg.mesh, num_devices))
-    except mesh_lib.MeshError:
-        own_mesh = {}
-    batch_rule = dict(cfg.layout).get("batch")
-    own_choice = (
-        own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
-        any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
-        dict(cfg.layout).get("layers") == STAGE_AXIS,
-    )  # fmt: skip
-
-    def preference(option: Option) -> tuple:  # the config's own first, then the plainest
-        return (_choice(option) != own_choice, *option.oddness())
-
-    kept: dict[tuple, Option] = {}
-    for option in options:  # one of each group of duplicates
-        key = option.key()
-        if key not in kept or preference(option) < preference(kept[key]):
-            kept[key] = option
-    distinct = [o for o in options if kept[o.key()] is o]
-    meshes: dict[str, jax.sharding.Mesh] = {}
-    illegal: dict[str, int] = {}
+    own_mesh, own_choice = _own_choice(cfg, dims, num_devices)
+    kept = distinct(options, own_choice)
+    planner = _Planner(cfg, topo, spec, dims, candidates.param_dims(abstract_params), own_mesh, own_choice)
     rows: list[Row] = []
-    cap, kernels = None, None
-    for i, option in enumerate(distinct):
-        say(f"planning {i + 1}/{len(distinct)}: {option.mesh_str}")
-        try:
-            layout, param_layout = rules(option, dims, params, cfg, spec)
-        except ConfigError as e:
-            illegal[e.key] = illegal.get(e.key, 0) + 1
-            continue
-        counts = microbatch_counts(cfg, option, own_choice)
-        own_layout = _choice(option) == own_choice
-        last, least, found = None, None, False
-        for k in counts:
-            try:
-                new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
-                mesh = meshes.get(new.mesh_str) or meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
-                step = parts.abstract_step(new, mesh, spec)
-                breakdown = memory.analytic(new, step)
-            except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
-                key = getattr(e, "key", None) or (
-                    "layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__
-                )
-                illegal[key] = illegal.get(key, 0) + 1
-                if key == "train.microbatches":
-                    continue
-                break  # the layout itself is illegal, whatever the microbatches
-            chosen = dataclasses.replace(option, microbatches=k)
-            cap = cap or cost.machine_capacity(cfg, topo, mesh)
-            fits = breakdown.total <= cap.usable_bytes
-            if kernels is None:  # the same for every layout: counted once, on the first legal one
-                kernels = pass_kernels(new, step)
-            est = estimate(new, chosen, step, breakdown, topo, dims, kernels)
-            if cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
-                est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, topo, cap))
-            own = _is_own(cfg, chosen, new, own_mesh)
-            row = Row(chosen, new, step, breakdown.total, est, fits, own, replaces_param_layout=bool(cfg.param_layout),
-                      given_microbatches=cfg.train.microbatches)  # fmt: skip
-            if option.stage or own or (fits and not found):
-                rows.append(row)
-            found = found or fits
-            # from 2 microbatches on (the first adds the float32 running sum) more only save bytes
-            # while the activations of one microbatch are still worth halving
-            falls = last is None or last.cfg.train.microbatches == 1 or row.memory_bytes < last.memory_bytes
-            least = row if least is None or row.memory_bytes < least.memory_bytes else least
-            last = row
-            if not option.stage and ((found and k >= counts[-1 if own_layout else 0]) or not falls):
-                break  # gradient accumulation: the fewest microbatches that fit, or no more bytes saved
-        if not (option.stage or found) and least is not None and least not in rows:
-            rows.append(least)  # nothing fits: its fewest bytes, as its one row
-    if cap is None:  # nothing legal: the capacity of these devices, for the report
-        cap = cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
-    fitting = sorted((r for r in rows if r.fits), key=lambda r: r.estimate.total_s)
-    # the best K layouts, each at its best-estimated microbatch count: K counts of one layout would
-    # leave the others unread (and many microbatches compile slowest)
-    layouts: set[tuple] = set()
-    picked = [r for r in fitting if not (r.option_key in layouts or layouts.add(r.option_key))][:top]
-    fitting = picked + [r for r in fitting if all(r is not p for p in picked)]
+    for i, option in enumerate(kept):
+        say(f"planning {i + 1}/{len(kept)}: {option.mesh_str}")
+        rows += planner.rows(option)
+    # nothing legal: the capacity of these devices, for the report
+    cap = planner.cap or cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
+    picked = best_layouts([r for r in rows if r.fits], top)
     target = gpu_target.target(topo, ((MODEL_AXIS, num_devices),))
-    compiled_for = target.compiled_for or "cpu"
-    for i, row in enumerate(fitting[: len(picked)]):
+    for i, row in enumerate(picked):
         say(f"compiling {i + 1}/{len(picked)}: {row.cfg.mesh_str} {row.cfg.layout_str}")
-        t = time.perf_counter()
-        if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
-            on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
-            row.step = parts.abstract_step(row.cfg, on_target, spec)
-        with compile_cache.suspended(target.compile_only):
-            row.compiled = row.step.lower().compile()
-        row.compile_s = time.perf_counter() - t
-        row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
-        row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
-        row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
-    compiled = fitting[: len(picked)]
-    ranked = rank_compiled([r for r in compiled if r.fits]) + fitting[len(picked) :]
+        compile_row(row, target, topo, spec, cap)
+    rest = sorted((r for r in rows if r.fits and all(r is not p for p in picked)), key=lambda r: r.estimate.total_s)
+    ranked = rank_compiled([r for r in picked if r.fits]) + rest
     ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
     return Result(
-        ranked, topo, cap, num_devices, len(options), len(options) - len(distinct), illegal, len(compiled),
-        time.perf_counter() - started, compiled_for, target.note, search_missing(cfg, dims),
+        ranked, topo, cap, num_devices, len(options), len(options) - len(kept), planner.illegal, len(picked),
+        time.perf_counter() - started, target.compiled_for or "cpu", target.note, search_missing(cfg, dims),
     )  # fmt: skip
 
 
