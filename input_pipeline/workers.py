@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline import grain_compat
 from input_pipeline.errors import DataError
 
 _PARENT_POLL_S = 0.25  # how often a worker checks that its parent is alive
@@ -165,24 +166,6 @@ def _detach(array) -> np.ndarray:
     finally:
         os.close(fd)
     return np.frombuffer(mapping, array.dtype, count=array.size).reshape(array.shape)
-
-
-def _wait_for_unlinks() -> None:
-    """Wait until Grain has unlinked the segments of the batches just dropped.
-
-    Grain unlinks a dropped batch's segment in a background thread pool; a process that exits
-    right after close() would otherwise leave those to its resource tracker, which removes them
-    with a "leaked shared_memory objects" warning. An empty task queued behind them is a barrier
-    (the pool has one thread). The pool is Grain's private attribute: without it, no wait.
-    """
-    from grain.multiprocessing import SharedMemoryArray
-
-    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
-    if pool is not None:
-        try:
-            pool.apply_async(int).wait(_UNLINK_WAIT_S)
-        except ValueError:  # the pool is already shut down (interpreter exit)
-            pass
 
 
 def _start_resource_tracker() -> None:
@@ -299,7 +282,9 @@ class _Workers:
         # Grain's prefetch threads end on an exception whose traceback keeps the last batch of
         # each worker (and its shared memory) alive in a reference cycle: collect it now.
         gc.collect()
-        _wait_for_unlinks()
+        # A process that exits right after close() would otherwise leave the segments Grain is
+        # still unlinking to its resource tracker ("leaked shared_memory objects" warnings).
+        grain_compat.wait_for_unlinks(_UNLINK_WAIT_S)
         shutil.rmtree(self.pid_dir, ignore_errors=True)
 
 

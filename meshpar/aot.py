@@ -13,7 +13,7 @@ import math
 
 import jax
 
-from meshpar import offload, parts, trainer
+from meshpar import jax_compat, offload, parts, trainer
 from meshpar.config import Config
 
 # compiled.memory_analysis() fields reported per device, in bytes.
@@ -54,8 +54,7 @@ def memory(compiled: jax.stages.Compiled) -> dict:
     inside a computation and counts ``pinned_host`` arguments and outputs as ordinary ones,
     with every ``host_*`` field 0: their bytes are computed from the shardings instead and
     taken out of argument, output and alias (``host_from`` = ``"shardings"``)."""
-    stats = compiled.memory_analysis()
-    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    stats = jax_compat.memory_analysis(compiled)
     out = {f"{f}_bytes": int(getattr(stats, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
     host = {f: int(getattr(stats, f"host_{f}_size_in_bytes", 0) or 0) for f in ("argument", "output", "alias", "temp")}
     out["host_from"] = "xla"

@@ -16,6 +16,12 @@ takes the newest step and tells three cases apart:
   first difference; nothing falls back, nothing on disk changes;
 - **cannot be verified either way** (an I/O error, a timeout, a tensorstore error on files
   that match the manifest): ``CheckpointError``; every checkpoint stays as it is.
+
+What a checkpoint holds may differ from the run's state: a circular pipeline stores its layers
+permuted, and checkpoints hold them in the canonical order, so that any layout can resume them.
+The :class:`Codec` the checkpointer is built with says how, both ways: ``save`` writes
+``codec.to_saved(state)`` and ``restore`` returns ``codec.from_saved(what was read)``, so a
+caller saves and restores its own state and never converts either way itself.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ import logging
 import os
 import re
 import sys
-import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from meshpar import integrity
+from meshpar import integrity, jax_compat
 from meshpar.config import ConfigError
 from meshpar.errors import CheckpointError
 
-__all__ = ["Checkpointer", "CheckpointError", "Restored"]
+if TYPE_CHECKING:
+    from meshpar.trainer import StatePlan
+
+__all__ = ["CheckpointError", "Checkpointer", "Codec", "Restored"]
 
 
 class _OrbaxOnly(logging.Filter):
@@ -144,6 +153,39 @@ def _shape(x: Any) -> str:
     return f"{np.dtype(x.dtype)}{list(x.shape)}"
 
 
+def _identity(state: Any) -> Any:
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How a run's state becomes what its checkpoints hold, and back; fixed when the
+    :class:`Checkpointer` is built.
+
+    ``to_saved`` (state → saved state) and ``from_saved`` (its inverse, applied by ``restore``;
+    it may donate its argument) keep the tree's structure, and each leaf's shape, dtype and
+    sharding: they move values (a pipeline's layers between its stored and the canonical order,
+    :meth:`meshpar.trainer.StatePlan.canonical` / ``.stored``). ``digest_program``: the
+    checkpoint digest program compiled ahead of time for the saved state's leaves
+    (:func:`meshpar.integrity.digest_program`, by the memory pre-flight:
+    :mod:`meshpar.plan.programs`); None = compile it at the first save.
+    """
+
+    to_saved: Callable[[Any], Any] = _identity
+    from_saved: Callable[[Any], Any] = _identity
+    digest_program: Any = None
+
+    @classmethod
+    def of_plan(cls, plan: StatePlan, digest_program: Any = None) -> Codec:
+        """The codec of a run whose state `plan` describes: its layers saved in the canonical
+        order, restored into the order `plan` stores (the identity both ways without a circular
+        pipeline)."""
+        return cls(plan.canonical, plan.stored, digest_program)
+
+
+IDENTITY = Codec()  # a state saved as it is
+
+
 @dataclasses.dataclass
 class Restored:
     state: Any
@@ -156,19 +198,18 @@ _ITEMS = ("state", "position", "run", "integrity")
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, every: int, keep: int):
+    """Saves and restores one run's checkpoints in `directory`: a save every `every` steps (0:
+    only forced ones), the `keep` newest kept (0: all); `codec`: what the run's state is saved as
+    and restored from (default: the state itself)."""
+
+    def __init__(self, directory: str | Path, every: int, keep: int, *, codec: Codec = IDENTITY):
         self.directory = Path(directory).absolute()
         self.every, self.keep = every, keep
+        self.codec = codec
         self.skipped: list[str] = []  # one line per damaged step restore() set aside
         self._primary = jax.process_index() == 0
         self._saving: int | None = None  # the step whose save is in flight
         self._saved: set[int] = set()  # steps this object saved
-        # The digest program compiled ahead of time by the memory pre-flight, for this run's state
-        # (meshpar.plan.programs); None = compile it at the first save.
-        self.digest_program = None
-        # State → what is saved: a pipeline's state in the canonical layer order
-        # (meshpar.trainer.StatePlan.canonical); the identity by default.
-        self.to_saved: Callable[[Any], Any] = lambda state: state
         import orbax.checkpoint as ocp  # here: runs without checkpoints start without orbax
 
         options = ocp.CheckpointManagerOptions(
@@ -201,8 +242,14 @@ class Checkpointer:
         # From Python 3.12 no thread can start once shutdown begins, so this cannot help
         # there: close() (or the `with` block) is what finishes a save; the train loop does.
         ref = weakref.ref(self)  # the hook must not keep this object alive
-        register = getattr(threading, "_register_atexit", lambda f: None)  # private, as used by concurrent.futures
-        register(lambda: (c := ref()) is not None and not c._closed and c._finish_at_exit())
+        jax_compat.register_before_thread_shutdown(
+            lambda: (c := ref()) is not None and not c._closed and c._finish_at_exit()
+        )
+
+    @property
+    def digest_program(self) -> Any:
+        """The compiled checkpoint digest program this checkpointer was built with, or None."""
+        return self.codec.digest_program
 
     # ------------------------------------------------------------------------------------------
     # Saving
@@ -229,11 +276,11 @@ class Checkpointer:
             # A fresh run refuses a folder with steps and a resumed one starts after its newest
             # step; a step of this number is not this run's to replace.
             raise CheckpointError(f"step {step} already exists in {self.directory} and was not saved by this run")
-        state = self.to_saved(state)
+        state = self.codec.to_saved(state)
         nested, names, _ = _nest(state)
         leaves = jax.tree.leaves(state)
         digests = {
-            "leaves": integrity.array_digests(leaves, names, self.digest_program),
+            "leaves": integrity.array_digests(leaves, names, self.codec.digest_program),
             "position": integrity.json_digest(data_position),
             "run": integrity.json_digest(record),
         }
@@ -296,7 +343,8 @@ class Checkpointer:
     # Restoring
 
     def restore(self, abstract_state: Any, shardings: Any = None, accept: Callable[[dict, int], None] | None = None) -> Restored:
-        """The newest usable checkpoint, each array read straight into its target sharding.
+        """The newest usable checkpoint, each array read straight into its target sharding, as
+        the run's state (``codec.from_saved`` of what the checkpoint holds).
 
         ``abstract_state``: a TrainState of arrays or ShapeDtypeStructs; ``shardings``: the
         matching tree of shardings (default: the abstract leaves' own ``.sharding``);
@@ -358,10 +406,10 @@ class Checkpointer:
         for name in names:
             if got[name] != digests["leaves"].get(name):
                 raise integrity.Damaged(f"{name} does not match its saved digest")
-        state = jax.tree.unflatten(treedef, arrays)
-        if int(state.step) != step:
-            raise integrity.Damaged(f"it holds state.step {int(state.step)}")
-        return Restored(state, position, record, step)
+        saved = jax.tree.unflatten(treedef, arrays)
+        if int(saved.step) != step:
+            raise integrity.Damaged(f"it holds state.step {int(saved.step)}")
+        return Restored(self.codec.from_saved(saved), position, record, step)
 
     def _check_leaves(self, step: int, state_meta: Any, names: list[str], targets: list) -> None:
         """The checkpoint holds exactly the leaves this config's state has, with the same shapes

@@ -18,7 +18,7 @@ from meshpar import compile_cache, init_from, models, parts, rundir, throughput,
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import resume as resume_lib
-from meshpar.checkpoint import Checkpointer
+from meshpar.checkpoint import Checkpointer, Codec
 from meshpar.config import Config, ConfigError
 from meshpar.plan import preflight
 
@@ -99,11 +99,12 @@ def build(cfg: Config) -> Experiment:
     rundir.check_paths(cfg)  # folders that cannot be created fail here, before any state exists
     if cfg.plan.check:
         compiled = preflight.check_compiled(cfg, step, inputs.element_spec, breakdown, capacity)
-    checkpointer = rundir.open_checkpoints(cfg)
+    # Checkpoints hold a pipeline's layers in the canonical order: the codec converts both ways.
+    checkpointer = rundir.open_checkpoints(cfg, Codec.of_plan(plan, compiled.get("checkpoint digest")))
     resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
     if resumed:
         horizon = record["decay_steps"]
-        state, record = plan.stored(resumed.state), resumed.record  # checkpoints hold layers in canonical order
+        state, record = resumed.state, resumed.record
         if record["decay_steps"] != horizon:
             step = step.with_optimizer(cfg, trainer.make_optimizer(cfg.optimizer, record["decay_steps"]))
             # The pre-flight's step (only there with plan.check) was compiled for the other horizon.
@@ -118,9 +119,6 @@ def build(cfg: Config) -> Experiment:
         train_step = _compiled_step(compiled["train step"], train_step)
     if "eval step" in compiled:
         eval_step = _compiled_step(compiled["eval step"], eval_step)
-    if checkpointer is not None:
-        checkpointer.digest_program = compiled.get("checkpoint digest")
-        checkpointer.to_saved = plan.canonical
     peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
     flops = family.flops_per_example and family.flops_per_example(cfg.model, inputs.element_spec)
     tokens = family.tokens_per_example(cfg.model, inputs.element_spec)

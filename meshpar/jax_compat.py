@@ -1,10 +1,14 @@
-"""What meshpar needs from jax beyond its public API, in one place (jax 0.10 and 0.12).
+"""What meshpar needs from jax and Python beyond their public APIs, in one place (jax 0.10 and
+0.12, Python 3.11 and 3.12).
 
-Every use of a private jax API (``jax._src...``, private attributes), every match on a jax
-repr or message text, and every branch on the jax version lives here, and nowhere else
-(tests/test_jax_compat.py checks the rest of the repository for them). Each shim names the
-public API to move to once jax has one; tests/test_jax_compat.py exercises each on every
-supported jax: 0.10 in the main suite, 0.12 in the smoke run on Python 3.12 (``.ci/run``).
+Every use of a private jax API (``jax._src...``, private attributes, a client's runtime type),
+every match on a jax repr or message text, every branch on the jax version, every workaround
+for an older jax's return types, and the one private hook of Python's ``threading`` meshpar uses
+live here, and nowhere else (tests/test_jax_compat.py checks the rest of the repository for
+them; Grain's private shared-memory pool, which the input pipeline needs and which must not
+import meshpar, is in :mod:`input_pipeline.grain_compat`). Each shim names the public API to
+move to once there is one; tests/test_jax_compat.py exercises each on every supported jax: 0.10
+on Python 3.11 in the main suite, 0.12 on Python 3.12 in the smoke run (``.ci/run``).
 
 Moved to public API (jax >= 0.10 has it; the old fallbacks were dead code):
 ``jax.shard_map`` (was ``getattr(jax, "shard_map")`` with a ``jax.experimental.shard_map``
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -128,3 +134,47 @@ def step_cublas_workspace_exceeds_lone() -> bool:
     import jax
 
     return tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def compile_only_device(device: Any) -> bool:
+    """Whether `device` belongs to a compile-only client (XLA's GPU compiler on a host without the
+    GPU: :mod:`meshpar.plan.gpu_target`): programs lower and compile for it, nothing runs on it.
+
+    Public API to move to: none in jax 0.10 or 0.12 (``jax.Device.client`` is the PJRT client,
+    whose ``runtime_type`` is ``"compile_only_runtime"`` for such devices and ``"pjrt_ifrt"`` for
+    devices that run programs).
+    """
+    return getattr(device.client, "runtime_type", "") == "compile_only_runtime"  # private: see above
+
+
+def memory_analysis(compiled: Any) -> Any:
+    """The per-device memory statistics of a compiled program (``argument_size_in_bytes``,
+    ``output_size_in_bytes``, ``temp_size_in_bytes``, ``alias_size_in_bytes`` and their
+    ``host_*`` counterparts).
+
+    ``jax.stages.Compiled.memory_analysis()`` returns one object on jax 0.10 and 0.12 (checked
+    by tests/test_jax_compat.py); earlier jax versions returned a list with one entry per
+    program, whose first is the step's. Public API to move to: ``memory_analysis()`` itself, once
+    no supported jax can return the list.
+    """
+    stats = compiled.memory_analysis()
+    return stats[0] if isinstance(stats, (list, tuple)) else stats
+
+
+def register_before_thread_shutdown(hook: Callable[[], Any]) -> bool:
+    """Run `hook` at interpreter exit before ``concurrent.futures`` refuses new work and before
+    non-daemon threads are joined (what an asynchronous save needs to finish: its writes are
+    executor tasks). Returns whether the hook could be registered.
+
+    Public API to move to: none in Python 3.11 or 3.12: ``atexit`` hooks run only after
+    ``threading``'s shutdown has joined every non-daemon thread, so they come too late;
+    ``threading._register_atexit`` is the private hook ``concurrent.futures`` itself uses, and
+    its hooks run in reverse order of registration, so one registered after
+    ``concurrent.futures`` was imported runs before that module's own refusal. Without it (a
+    future Python) no hook: the caller's ``close()`` is what finishes a save.
+    """
+    register = getattr(threading, "_register_atexit", None)  # private: see above
+    if register is None:
+        return False
+    register(hook)
+    return True

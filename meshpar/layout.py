@@ -33,6 +33,8 @@ from meshpar.mesh import name_problem, show_name, split_pairs  # isort: skip
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshpar import jax_compat
+
 
 class LayoutError(ValueError):
     """A layout that cannot be applied: the message is one line and names dims, axes, sizes."""
@@ -53,8 +55,9 @@ def format_rules(rules: tuple[tuple[str, Axes], ...]) -> str:
     return "; ".join(f"{d}:{format_axes(a)}" for d, a in rules)
 
 
-def _axis_names(axes: Axes) -> tuple:
-    return axes if isinstance(axes, tuple) else (axes,)
+def mesh_axes(axes: Axes | None) -> tuple[str, ...]:
+    """A rule's (or a PartitionSpec entry's) mesh axes as a tuple: None → ``()``."""
+    return () if axes is None else tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
 def _parse_axes(text: str) -> Axes:
@@ -105,7 +108,7 @@ def parse_rules(rules: Rules) -> tuple[tuple[str, Axes], ...]:
     seen: dict[str, Axes] = {}
     for dim, axes in pairs:
         rule = f"{dim}:{format_axes(axes) if isinstance(axes, (str, tuple)) else axes}"
-        names = _axis_names(axes)
+        names = mesh_axes(axes)
         if not dim or not names or any(a == "" for a in names):
             raise LayoutError(f"rule {rule!r} has an empty dim or axis name")
         # The same names as the mesh's (see meshpar.mesh.name_problem): an axis name that is no
@@ -129,7 +132,7 @@ def on_mesh(rules: Rules, axis_names: Collection[str]) -> tuple[tuple[str, Axes]
     lacks, and without the rules left with none."""
     out = []
     for dim, axes in parse_rules(rules):
-        kept = tuple(a for a in _axis_names(axes) if a in axis_names)
+        kept = tuple(a for a in mesh_axes(axes) if a in axis_names)
         if kept:
             out.append((dim, kept[0] if len(kept) == 1 else kept))
     return tuple(out)
@@ -143,7 +146,7 @@ def unused(
     ensemble``), or None when every rule can. `no_dim` opens the first part."""
     parsed = parse_rules(rules)
     dims_missing = [d for d, _ in parsed if d not in dims]
-    axes_missing = list(dict.fromkeys(a for _, axes in parsed for a in _axis_names(axes) if a not in axis_names))
+    axes_missing = list(dict.fromkeys(a for _, axes in parsed for a in mesh_axes(axes) if a not in axis_names))
     parts = [f"{no_dim} {', '.join(dims_missing)}"] if dims_missing else []
     parts += [f"the mesh has no axis {', '.join(axes_missing)}"] if axes_missing else []
     return "; ".join(parts) or None
@@ -192,7 +195,7 @@ class Layout:
         def keep(rules):
             out = []
             for dim, a in rules:
-                left = tuple(x for x in _axis_names(a) if x not in axes)
+                left = tuple(x for x in mesh_axes(a) if x not in axes)
                 if left:
                     out.append((dim, left[0] if len(left) == 1 else left))
             return tuple(out)
@@ -210,7 +213,7 @@ class Layout:
         """How many ways `dim` is split: the product of its mesh axes' sizes (1 when replicated)."""
         axes = self.axis(dim)
         sizes = dict(self.axis_sizes)
-        return 1 if axes is None else math.prod(sizes[a] for a in _axis_names(axes))
+        return 1 if axes is None else math.prod(sizes[a] for a in mesh_axes(axes))
 
     def spec(self, dims: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for a tensor whose dims are named `dims` (None = an unnamed dim)."""
@@ -219,7 +222,7 @@ class Layout:
         for dim in dims:
             axes = None if dim is None else self.axis(dim)
             if axes is not None:
-                for axis in _axis_names(axes):
+                for axis in mesh_axes(axes):
                     if axis in used:
                         raise LayoutError(
                             f"dims {used[axis]!r} and {dim!r} of one tensor {tuple(dims)} are both mapped to mesh "
@@ -305,7 +308,7 @@ def compile_only() -> bool:
     active = _ACTIVE.get()
     if active is None:
         return False
-    return getattr(active[1].devices.flat[0].client, "runtime_type", "") == "compile_only_runtime"
+    return jax_compat.compile_only_device(active[1].devices.flat[0])
 
 
 def same_split(a: str, b: str) -> bool:
@@ -368,9 +371,9 @@ def _summed_apart(layout: Layout, *shardings: NamedSharding) -> set[str]:
     ``shard_map`` region's manual axes are left out (each device runs its own program there)."""
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     batch = layout.axis("batch")
-    split = {a for s in shardings for e in s.spec if e is not None for a in _axis_names(e)}
+    split = {a for s in shardings for e in s.spec if e is not None for a in mesh_axes(e)}
     sizes = dict(layout.axis_sizes)
-    return {a for a in (() if batch is None else _axis_names(batch)) if sizes[a] > 1} - split - manual
+    return {a for a in (() if batch is None else mesh_axes(batch)) if sizes[a] > 1} - split - manual
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from meshpar.checkpoint import Checkpointer, CheckpointError
+from meshpar.checkpoint import IDENTITY, Checkpointer, CheckpointError, Codec
 from meshpar.config import Config, ConfigError
 
 # What a run writes into its workdir besides checkpoints (replaced by a fresh run).
@@ -97,9 +97,10 @@ def _check_nothing_to_resume(directory: Path) -> None:
         )
 
 
-def open_checkpoints(cfg: Config) -> Checkpointer | None:
-    """The run's Checkpointer (None when the run neither saves nor resumes), after making sure
-    the checkpoint folder holds no earlier run that this fresh run would mix with."""
+def open_checkpoints(cfg: Config, codec: Codec = IDENTITY) -> Checkpointer | None:
+    """The run's Checkpointer, built with `codec` (None when the run neither saves nor resumes),
+    after making sure the checkpoint folder holds no earlier run that this fresh run would mix
+    with."""
     directory = Path(cfg.checkpoint_dir)
     resuming = cfg.checkpoint.resume == "auto"
     steps = committed_steps(directory)
@@ -121,4 +122,4 @@ def open_checkpoints(cfg: Config) -> Checkpointer | None:
         _sync("meshpar_fresh_run")
     if not (cfg.checkpoint.every or cfg.checkpoint.resume == "auto"):
         return None
-    return Checkpointer(directory, cfg.checkpoint.every, cfg.checkpoint.keep)
+    return Checkpointer(directory, cfg.checkpoint.every, cfg.checkpoint.keep, codec=codec)

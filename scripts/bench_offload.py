@@ -148,8 +148,9 @@ def _seen_by_size(moves: dict, sizes: set[int], layers: int, devices: int) -> di
 
 
 def _memory_analysis(compiled) -> dict:
-    stats = compiled.memory_analysis()
-    stats = stats[0] if isinstance(stats, (list, tuple)) else stats
+    from meshpar import jax_compat  # here, as in run_one: meshpar is on sys.path once main() ran
+
+    stats = jax_compat.memory_analysis(compiled)
     return {name: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from meshpar import init_from, models, parts
 from meshpar import inputs as inputs_lib
 from meshpar import resume as resume_lib
-from meshpar.checkpoint import Checkpointer
+from meshpar.checkpoint import Checkpointer, Codec
 from meshpar.config import Config, ConfigError
 from meshpar.errors import CheckpointError
 from meshpar.hf import export, files, names, writer
@@ -62,8 +62,7 @@ def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
     with files.new_folder(workdir, "workdir") as tmp:
         params, report = source.load(step.plan.abstract.params, step.plan.shardings.params)
         state = init_from.fresh_state(params, step.plan, step.tx, cfg.train.seed)
-        ckpt = Checkpointer(tmp / "checkpoints", every=0, keep=0)
-        ckpt.to_saved = step.plan.canonical
+        ckpt = Checkpointer(tmp / "checkpoints", every=0, keep=0, codec=Codec.of_plan(step.plan))
         try:
             ckpt.maybe_save(state, resume_lib.position(0), record, force=True)
         finally:
