@@ -100,7 +100,9 @@ def problem(sched: Schedule, n_layers: int | None) -> tuple[str, str] | None:
         return "layout", f"layers:{sched.axis} pipelines a layer stack, and this model has none (drop the rule)"
     groups = sched.stages * sched.repeats
     if n_layers % groups:
-        split = f"{sched.stages} stages × {sched.repeats} repeats" if sched.kind == "circular" else f"{sched.stages} stages"
+        split = (
+            f"{sched.stages} stages × {sched.repeats} repeats" if sched.kind == "circular" else f"{sched.stages} stages"
+        )
         return "model.n_layers", f"{n_layers} layers do not split evenly into {split} (mesh axis '{sched.axis}')"
     if sched.kind == "circular" and sched.microbatches < sched.stages:
         return "train.microbatches", (
@@ -167,7 +169,9 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 RunStage = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Array]
 
 
-def run(sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+def run(
+    sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None
+) -> jax.Array:
     """The layer stack `stacked` (each ``[layers, ...]`` in stored order, :func:`stored_order`)
     on ``x [batch, ...]`` as the pipeline `sched`; returns the last layer's output, ``x``'s shape.
 
@@ -217,7 +221,9 @@ def run(sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: 
             else:
                 # The group changes from tick to tick: the backward pass keeps each tick's copy
                 # of its weights (T copies of a group's), the circular schedule's price.
-                out = run_stage({name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}, h, k)
+                out = run_stage(
+                    {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}, h, k
+                )
             done = (s == S - 1) & (i >= (R - 1) * M) & (i < R * M)
             slot = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, slot), m, 0)
@@ -254,18 +260,13 @@ def _manual_layout(spare: str, dims: tuple[Dims, ...]) -> tuple[layout_lib.Layou
     if not manual_axes or active is None:
         return None
     layout = active[0]
-    named = {a for d in dims for entry in layout.spec(d) for a in _names(entry)}
+    named = {a for d in dims for entry in layout.spec(d) for a in layout_lib.mesh_axes(entry)}
     extra = tuple(a for a in abstract.axis_names if a not in manual_axes and a not in named)
     if extra:
-        axes = (*_names(layout.axis(spare)), *extra)
+        axes = (*layout_lib.mesh_axes(layout.axis(spare)), *extra)
         rules = (*((d, a) for d, a in layout.rules if d != spare), (spare, axes[0] if len(axes) == 1 else axes))
         layout = dataclasses.replace(layout, rules=rules)
     return layout, abstract
-
-
-def _names(axes: layout_lib.Axes | None) -> tuple[str, ...]:
-    """A rule's (or a PartitionSpec entry's) mesh axes as a tuple: None → ``()``."""
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def manual_problem(shapes: tuple[tuple[int, ...], ...], in_dims: tuple[Dims, ...], spare: str) -> str | None:

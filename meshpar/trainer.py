@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -315,20 +316,15 @@ def reduced_once(layout: layout_lib.Layout, mesh: Mesh, param_shardings: Any) ->
     batch = layout.axis("batch")
     if batch is None:
         return ()
-    taken = {a for d, axes in (*layout.rules, *layout.param_rules) if d != "batch" for a in _names(axes)}
-    taken |= {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in _names(entry)}
+    taken = {a for d, axes in (*layout.rules, *layout.param_rules) if d != "batch" for a in layout_lib.mesh_axes(axes)}
+    taken |= {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in layout_lib.mesh_axes(entry)}
     out = []
-    for a in _names(batch):
+    for a in layout_lib.mesh_axes(batch):
         if a in taken:
             break
         out.append(a)
     sizes = dict(mesh.shape)
     return tuple(a for a in out if sizes[a] > 1)
-
-
-def _names(axes) -> tuple[str, ...]:
-    """A rule's (or a PartitionSpec entry's) mesh axes as a tuple: None → ``()``."""
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def accumulate_locally(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State,
@@ -346,9 +342,7 @@ def accumulate_locally(grad_fn, params: nnx.State, batch: dict, key: jax.Array, 
     training to float reassociation. Dropout draws each device's bits from the microbatch's key
     folded with the device's index along `axes` (the masks differ from the whole-batch program's,
     not their distribution)."""
-    n = 1
-    for a in axes:
-        n *= dict(mesh.shape)[a]
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
     split = PartitionSpec(axes[0] if len(axes) == 1 else axes)
     local_layout = layout.without(axes)
 
