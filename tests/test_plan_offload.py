@@ -4,12 +4,15 @@ experiments/offload.yaml (refused without offload, accepted and trained with it)
 
 import dataclasses
 import json
+import math
 import pathlib
 import re
 
 import jax
 import numpy as np
 import pytest
+import yaml
+from jax.extend import core as jex_core
 
 from meshpar import aot, config, experiment, loop, parts
 from meshpar.config import ConfigError
@@ -135,6 +138,23 @@ def _topo(name: str, **host_link):
     return dataclasses.replace(topo, host_link=dataclasses.replace(topo.host_link, **host_link)) if host_link else topo
 
 
+def _file_link(name: str, devices: int) -> tuple[float, float]:
+    """(bytes/s, s per transfer) of one device's path to host memory while the first `devices` of
+    machine `name` all use theirs, read here from its file: its own link, or its share of the
+    uplink its switch group shares."""
+    raw = yaml.safe_load((topology.DIR / f"{name}.yaml").read_text())
+    link = raw["host_link"]
+    bandwidth = link["gbps"] * 1e9 * link["efficiency"]
+    if raw.get("uplink"):
+        uplink = raw["uplink"]["gbps"] * 1e9 * raw["uplink"]["efficiency"]
+        sharing = max(sum(1 for d in g if d < devices) for g in raw["host_groups"])
+        bandwidth = min(bandwidth, uplink / sharing)
+    return bandwidth, link.get("latency_us", 0) * 1e-6
+
+
+# Data parallel on the 8 devices: every weight whole on every device, every activation split by
+# its batch, so the bytes each device moves are read off the traced arrays' shapes.
+DP = ("mesh=data:8", "layout=batch:data")
 # The options these tests price: each a label of offload_cost.options and its overrides.
 PRICED = {
     "no offload": (), "offload.optimizer": ("offload.optimizer=true",), "offload.params": ("offload.params=true",),
@@ -143,48 +163,162 @@ PRICED = {
 }  # fmt: skip
 
 
-def _costs(cfg, topo, overlap=True):
-    """The PRICED options of `cfg` on `topo` (quicker than offload_cost.compare's every option)."""
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, jex_core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex_core.Jaxpr):
+                yield v
+
+
+def _program_passes(cfg, step) -> list[tuple[int, int]]:
+    """What the traced train step moves between device and host memory, per device: (bytes in,
+    bytes out) of each pass that moves any, in program order — one per trip of the forward layer
+    loop and of the backward one, the forward and the backward outside the layer loop, and the
+    update (the state fetched after the backward pass, and written back where the program's
+    outputs live in pinned host memory). Read from jax's ``device_put`` ops between memory
+    kinds, not from the planner."""
+    traced = step.step.trace(*step.args)
+    top = traced.jaxpr.jaxpr.eqns
+    loops = [i for i, e in enumerate(top) if e.primitive.name == "scan"]
+    forward_loop, backward_loop = loops[0], loops[-1]  # the layer loop and its transpose
+
+    def per_device(aval, placement) -> int:
+        nbytes = math.prod(aval.shape) * aval.dtype.itemsize
+        if isinstance(placement, jax.sharding.Sharding):
+            return math.prod(placement.shard_shape(aval.shape)) * aval.dtype.itemsize
+        split = aval.shape and aval.shape[0] == cfg.train.batch_size  # an activation: split by the batch
+        return nbytes // step.mesh.size if split else nbytes
+
+    def moves(eqns) -> tuple[int, int]:
+        """(bytes to the device, bytes to host memory) of one run of `eqns`, loops multiplied."""
+        inward = outward = 0
+        for eqn in eqns:
+            if eqn.primitive.name == "device_put":
+                for var, placement in zip(eqn.invars, eqn.params["devices"]):
+                    kind = str(getattr(placement, "memory_kind", None) or placement).lower()
+                    if "host" in kind:
+                        outward += per_device(var.aval, placement)
+                    elif "device" in kind:
+                        inward += per_device(var.aval, placement)
+            n = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+            for inner in _subjaxprs(eqn):
+                i, o = moves(inner.eqns)
+                inward, outward = inward + n * i, outward + n * o
+        return inward, outward
+
+    layers = [
+        (top[i].params["length"], moves(top[i].params["jaxpr"].jaxpr.eqns)) for i in (forward_loop, backward_loop)
+    ]
+    rest_in = rest_out = update_in = 0
+    for i, eqn in enumerate(top):
+        if i in (forward_loop, backward_loop):
+            continue
+        inward, outward = moves([eqn])
+        rest_out += outward  # the gradients of host arrays, on their way back
+        if i < backward_loop:
+            rest_in += inward  # weights fetched for the forward pass
+        else:
+            update_in += inward  # the state fetched for the update
+    written_back = sum(
+        math.prod(o.sharding.shard_shape(o.shape)) * o.dtype.itemsize
+        for o in jax.tree.leaves(traced.out_info)
+        if o.sharding.memory_kind == "pinned_host"
+    )
+    passes = [one for trips, one in layers for _ in range(trips)]
+    passes += [(rest_in, 0), (0, rest_out), (update_in, written_back)]
+    return [p for p in passes if any(p)]
+
+
+@pytest.fixture(scope="module")
+def offloaded():
+    """Each PRICED option on the data-parallel quickstart: (prepared for pricing, the passes its
+    traced program moves host bytes in)."""
     out = {}
     for label, overrides in PRICED.items():
-        new = offload_cost.applied(cfg, overrides)
-        out[label] = offload_cost.cost(
-            new, parts.abstract_step(new), topo, offload_cost.Option(label, overrides), overlap
+        cfg = config.load(QUICKSTART, [*DP, *overrides])
+        step = parts.abstract_step(cfg)
+        out[label] = (
+            offload_cost.prepare(cfg, step, offload_cost.Option(label, overrides)),
+            _program_passes(cfg, step),
         )
     return out
 
 
-def test_transfers_are_bytes_over_the_named_topologys_host_link():
-    cfg, step = _step(QUICKSTART)
-    h100, a100 = topology.load("h100-sxm-8"), topology.load("a100-pcie-8")
+def _link_seconds(passes, bandwidth: float) -> float:
+    """The passes' transfers on a full-duplex link of `bandwidth`: one pass after another, each
+    moving its bytes in and out at once."""
+    return sum(max(inward, outward) for inward, outward in passes) / bandwidth
+
+
+def test_transfers_are_bytes_over_the_named_topologys_host_link(offloaded):
     # h100-sxm-8: every GPU its own PCIe Gen5 x16; a100-pcie-8: four GPUs share a switch's uplink.
-    assert offload_cost.host_bandwidth(h100, 8) == h100.host_link.bandwidth
-    assert offload_cost.host_bandwidth(a100, 8) == a100.uplink.bandwidth / 4
-    assert offload_cost.host_bandwidth(a100, 1) == a100.host_link.bandwidth
-    opt = _state_bytes(step, "opt_state")
+    h100, a100 = topology.load("h100-sxm-8"), topology.load("a100-pcie-8")
+    for topo, devices in ((h100, 8), (a100, 8), (a100, 4), (a100, 1)):
+        assert offload_cost.host_bandwidth(topo, devices) == pytest.approx(_file_link(topo.name, devices)[0])
+    assert _file_link("a100-pcie-8", 8)[0] < _file_link("a100-pcie-8", 1)[0]  # the uplink shared is the bottleneck
+    prepared, passes = offloaded["offload.optimizer"]
+    ((state_in, state_out),) = passes  # the state, in for the update and back: nothing else moves
+    assert state_in == state_out > 0
     for topo in (h100, a100):
-        c = _costs(cfg, topo)["offload.optimizer"]
-        # In and back once per step, on a duplex link: the state's bytes once, plus the latency.
-        assert c.update_s == pytest.approx(opt / offload_cost.host_bandwidth(topo, 8) + topo.host_link.latency)
-    # Twice the bandwidth, no latency: every host transfer takes half as long.
-    slow = _costs(cfg, _topo("h100-sxm-8", latency=0.0))
-    fast = _costs(cfg, _topo("h100-sxm-8", latency=0.0, bandwidth=2 * h100.host_link.bandwidth))
+        bandwidth, latency = _file_link(topo.name, 8)
+        # In and back once per step on a duplex link: the state's bytes once, plus one transfer's latency.
+        assert offload_cost.price(prepared, topo).update_s == pytest.approx(state_in / bandwidth + latency)
+    # Parameters and activations: every pass's bytes as the program moves them (no latency here).
+    for topo in (h100, a100):
+        quiet = dataclasses.replace(topo, host_link=dataclasses.replace(topo.host_link, latency=0.0))
+        bandwidth = _file_link(topo.name, 8)[0]
+        for label in ("offload.params", "offload.activations=layer_outputs"):
+            prepared, passes = offloaded[label]
+            assert offload_cost.price(prepared, quiet).host_s == pytest.approx(_link_seconds(passes, bandwidth))
+    # Twice the bandwidth, no latency: every host transfer takes half as long, the compute as long.
+    slow = _topo("h100-sxm-8", latency=0.0)
+    fast = _topo("h100-sxm-8", latency=0.0, bandwidth=2 * h100.host_link.bandwidth)
     for label in ("offload.optimizer", "offload.params", "offload.activations=dots"):
-        assert fast[label].host_s == pytest.approx(slow[label].host_s / 2)
-        assert fast[label].compute_s == slow[label].compute_s
+        s, f = (offload_cost.price(offloaded[label][0], t) for t in (slow, fast))
+        assert f.host_s == pytest.approx(s.host_s / 2) and f.compute_s == s.compute_s
 
 
-def test_overlap_hides_transfers_behind_compute():
-    cfg = config.load(QUICKSTART, [])
-    topo = topology.load("h100-sxm-8")
-    on, off = _costs(cfg, topo), _costs(cfg, topo, overlap=False)
-    base = off["no offload"]
-    for label in ("offload.params", "offload.activations=layer_outputs", "offload.activations=dots"):
-        assert on[label].step_s < off[label].step_s
-        assert off[label].step_s == pytest.approx(off[label].compute_s + off[label].host_s)  # the sum
-        assert on[label].step_s >= max(on[label].compute_s, base.compute_s)
-    # The optimizer's trip for the update is never overlapped.
-    assert on["offload.optimizer"].step_s == pytest.approx(base.step_s + on["offload.optimizer"].update_s)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the planner counts attn_out among the values offload.activations=dots sends to host memory "
+    "(offload_plan.profile's named bytes), but attn_out is no residual (the residual add's backward needs "
+    "neither operand): the traced step moves 7 of the 8 named values, and the planner charges 10% more bytes",
+)
+def test_activation_offload_of_dots_moves_what_the_program_moves(offloaded):
+    h100 = _topo("h100-sxm-8", latency=0.0)
+    prepared, passes = offloaded["offload.activations=dots"]
+    assert offload_cost.price(prepared, h100).host_s == pytest.approx(
+        _link_seconds(passes, _file_link("h100-sxm-8", 8)[0])
+    )
+
+
+def test_overlap_hides_transfers_behind_compute(offloaded):
+    h100 = _topo("h100-sxm-8", latency=0.0)
+    bandwidth = _file_link("h100-sxm-8", 8)[0]
+    for label in ("offload.params", "offload.activations=layer_outputs"):
+        prepared, passes = offloaded[label]
+        moved = _link_seconds(passes, bandwidth)  # the program's transfers on the file's link
+        on, off = offload_cost.price(prepared, h100), offload_cost.price(prepared, h100, overlap=False)
+        # Overlap changes neither the work nor the bytes, only when the bytes move.
+        assert on.compute_s == pytest.approx(off.compute_s) and on.host_s == pytest.approx(off.host_s)
+        assert off.step_s == pytest.approx(off.compute_s + moved)  # in turn: all of both
+        # Overlapped: no shorter than either stream alone, shorter than the two in turn.
+        assert max(on.compute_s, moved) <= on.step_s < off.step_s
+        # On a link too fast to matter the step is its compute; with compute too fast to
+        # matter, it is the program's transfers.
+        wide = dataclasses.replace(h100, host_link=dataclasses.replace(h100.host_link, bandwidth=1e9 * bandwidth))
+        assert offload_cost.price(prepared, wide).step_s == pytest.approx(on.compute_s, rel=1e-3)
+        quick = dataclasses.replace(h100, peak_flops={k: 1e9 * v for k, v in h100.peak_flops.items()},
+                                    device_memory_bandwidth=1e9 * h100.device_memory_bandwidth)  # fmt: skip
+        assert offload_cost.price(prepared, quick).step_s == pytest.approx(moved, rel=1e-3)
+    # The optimizer's trip for the update is never overlapped: the step without offload, then the
+    # state in and back.
+    ((state, _),) = offloaded["offload.optimizer"][1]
+    base = offload_cost.price(offloaded["no offload"][0], h100)
+    optimizer = offload_cost.price(offloaded["offload.optimizer"][0], h100)
+    assert optimizer.step_s == pytest.approx(base.step_s + state / bandwidth)
 
 
 def test_bigger_batches_make_state_offload_relatively_cheaper():

@@ -1,11 +1,13 @@
 """The planner with a stage axis (layers:stage): memory plan, time terms, search, pre-flight."""
 
+import math
 import pathlib
 
 import pytest
 import yaml
+from jax.extend import core as jex_core
 
-from meshpar import aot, config, parts, pipeline
+from meshpar import aot, config, parts
 from meshpar.plan import candidates, cost, gpu_target, memory, search, stages, topology
 
 CONFIG = "experiments/transformer_pipeline.yaml"
@@ -17,31 +19,84 @@ def _cfg(*overrides):
     return config.load(CONFIG, [*SMALL, *overrides])
 
 
-def _estimate(cfg, topo, mesh, layout, stage):
-    """The search's analytic estimate of `cfg` with `mesh` and `layout`, as the search plans it."""
+def _planned(cfg, mesh, layout, stage):
+    """`cfg` with `mesh` and `layout` as the search plans it: (config, abstract step, option)."""
     new = search.with_layout(cfg, mesh, layout, "", stage)
     step = parts.abstract_step(new)
     sizes = dict(step.mesh.shape)
     batch = tuple(a for a in cost.batch_axes(new.layout))
     option = search.Option(tuple(sizes.items()), batch, any(a == "model" for _, a in new.layout), False, None, stage)
+    return new, step, option
+
+
+def _estimate(cfg, topo, mesh, layout, stage):
+    """The search's analytic estimate of `cfg` with `mesh` and `layout`, as the search plans it."""
+    new, step, option = _planned(cfg, mesh, layout, stage)
     return search.estimate(new, option, step, memory.analytic(new, step), topo, search.model_dims(new))
 
 
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, jex_core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex_core.Jaxpr):
+                yield v
+
+
+def _tick_loops(step) -> list[tuple[int, int, int]]:
+    """The pipeline as jax traces the train step: (trips, permutes per trip, bytes of the array
+    one permute hands on, as traced) of every loop whose body sends an array over the stage axis."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                sends = [e for e in eqn.params["jaxpr"].jaxpr.eqns if e.primitive.name == "ppermute"]
+                if sends:
+                    aval = sends[0].invars[0].aval
+                    found.append((eqn.params["length"], len(sends), math.prod(aval.shape) * aval.dtype.itemsize))
+            for inner in _subjaxprs(eqn):
+                walk(inner)
+
+    walk(step.step.trace(*step.args).jaxpr.jaxpr)
+    return found
+
+
 def test_more_microbatches_lower_bubble_and_time():
+    """The pipeline's time terms against the pipeline jax traces (its tick loops' trip counts and
+    the arrays they hand over the stage axis), not against the schedule's own formula."""
     topo = topology.load("h100-sxm-8")
-    times, bubbles = [], []
-    for m in (2, 8):
-        cfg = _cfg(f"train.microbatches={m}", "train.batch_size=64")
-        est = _estimate(cfg, topo, "stage:2,data:4", "batch:data; layers:stage", True)
-        times.append(est.compute_s)
-        bubbles.append(pipeline.Schedule("stage", 2, m).bubble)
-    assert bubbles[1] < bubbles[0]
-    assert times[1] < times[0]  # the layers' compute stretched by T/(R·M): 3/2 against 9/8
-    sched = pipeline.Schedule("stage", 2, 8)
-    assert stages.bubble_factor(sched) == pytest.approx(9 / 8)
-    assert stages.compute_factor(sched) == pytest.approx(9 / 16)
-    t = stages.traffic(sched, rows=8, length=32, embed=64, itemsize=4)
-    assert t.permutes == 18 and t.permute_bytes == 8 * 32 * 64 * 4 / 8 and t.reduce_bytes == 8 * 32 * 64 * 4
+    compute, stretch = {}, {}
+    for m in (2, 4, 8):
+        cfg, step, option = _planned(_cfg(f"train.microbatches={m}", "train.batch_size=64"), "stage:2,data:4",
+                                     "batch:data; layers:stage", True)  # fmt: skip
+        (trips, sends, traced_bytes), backward = _tick_loops(step)
+        assert backward == (trips, sends, traced_bytes) and sends == 1  # the forward's loop and its transpose
+        sched = step.plan.schedule
+        # Each stage works on one of the M microbatches per tick it is busy: idle the other T - M.
+        assert sched.ticks == trips and sched.bubble == pytest.approx((trips - m) / trips)
+        assert stages.bubble_factor(sched) == pytest.approx(trips / m)
+        # One permute per trip of either loop, each of one microbatch's stack output; the traced
+        # array is global over the data axis the batch is split on.
+        t = stages.traffic(sched, rows=64 // 4, length=32, embed=64, itemsize=4)
+        assert t.permutes == 2 * trips * sends and t.permute_bytes == traced_bytes / step.mesh.shape["data"]
+        est = search.estimate(cfg, option, step, memory.analytic(cfg, step), topo, search.model_dims(cfg))
+        compute[m], stretch[m] = est.compute_s, trips / m
+    assert compute[2] > compute[4] > compute[8]
+    # The layers' compute is stretched by the traced ticks per microbatch, the rest (embedding,
+    # head) is not: the compute term is affine in T/M (a stretch by the bubble fraction, or none,
+    # is not).
+    assert (compute[2] - compute[4]) / (compute[4] - compute[8]) == pytest.approx(
+        (stretch[2] - stretch[4]) / (stretch[4] - stretch[8]), rel=1e-6
+    )
+    # The circular schedule: R groups per stage, a microbatch through every stage R times.
+    cfg = _cfg("train.microbatches=4", "train.batch_size=64", "mesh=stage:2,data:4",
+               "layout=batch:data; layers:stage", "pipeline.schedule=circular", "pipeline.repeats=2")  # fmt: skip
+    step = parts.abstract_step(cfg)
+    (trips, _, _), _ = _tick_loops(step)
+    sched = step.plan.schedule
+    assert sched.ticks == trips and stages.bubble_factor(sched) == pytest.approx(trips / (2 * 4))
 
 
 def test_layer_params_per_device_fall_with_stages():

@@ -59,6 +59,14 @@ def test_every_experiment_plans_on_every_topology(name):
         assert costs and costs[0].option.label.startswith("no offload")
         assert all(c.step_s > 0 and c.device_bytes > 0 for c in costs)
         json.dumps(p.offload.to_json())  # the --json document holds plain data
+    # One compiled program priced by the time model on each machine: the same work everywhere,
+    # done sooner on the faster GPUs (H200: H100's peak with more HBM bandwidth; H100: more peak
+    # and bandwidth than A100), so a time model that ignores the machine fails here.
+    times = {p.topology.name: p.step_time for p in priced if not p.unfit}
+    assert len({t.flops for t in times.values()}) == 1 and min(t.flops for t in times.values()) > 0
+    if {"a100-sxm-8", "h100-sxm-8", "h200-sxm-8"} <= set(times):
+        assert times["h200-sxm-8"].compute_s < times["h100-sxm-8"].compute_s < times["a100-sxm-8"].compute_s
+        assert times["h100-sxm-8"].total_s < times["a100-sxm-8"].total_s
     # Options that do not apply to the config are skipped with a reason, never priced.
     skipped = next((p.offload.skipped for p in priced if p.offload), [])
     labels = {c.option.label for p in priced if p.offload for c in p.offload.costs}

@@ -176,3 +176,30 @@ def test_predicted_terms_follow_the_machine():
     serial = timing.predict(unfetched, step, program, h100, feed)
     assert overlapped.exposed_feed_s == pytest.approx(feed - base.compute_s)
     assert serial.exposed_feed_s == feed and serial.total_s > overlapped.total_s
+
+
+# A two-layer MLP 2048 wide: at a few thousand rows per device its matmuls, not kernel launches,
+# take most of its step on a GPU (its data source is synthetic: 256 examples make the spec).
+WIDE = ("model.hidden=[2048,2048]", "data.num_features=2048", "data.num_examples=256")
+WIDE_MLP = "experiments/mlp_model_parallel.yaml"
+
+
+def test_the_predicted_step_follows_the_work_and_the_machine():
+    """The step time comes from the program's work on the machine's rates: more work per device
+    takes longer, a faster machine takes less (a constant or work-blind model fails each)."""
+    h100 = topology.load("h100-sxm-8")
+    small = timing.predict(*compiled(WIDE_MLP, *WIDE, "train.batch_size=16384", "layout=batch:(data,model)"), h100)
+    cfg, step, program = compiled(WIDE_MLP, *WIDE, "train.batch_size=65536", "layout=batch:(data,model)")
+    big = timing.predict(cfg, step, program, h100)
+    # Four times the batch: four times the FLOPs per device, and a longer step.
+    assert big.flops == pytest.approx(4 * small.flops, rel=0.02)
+    assert big.compute_s > 1.5 * small.compute_s and big.total_s > small.total_s
+    # The same program on a machine with twice the peak, and on an older GPU: less, and more time.
+    doubled = dataclasses.replace(h100, peak_flops={k: 2 * v for k, v in h100.peak_flops.items()})
+    assert timing.predict(cfg, step, program, doubled).compute_s < 0.85 * big.compute_s
+    assert timing.predict(cfg, step, program, topology.load("a100-sxm-8")).compute_s > 1.5 * big.compute_s
+    # The batch over data alone leaves the model axis's 2 devices of a row computing the same rows:
+    # twice the FLOPs per device of the batch over both axes, and a longer compute term.
+    whole = timing.predict(*compiled(WIDE_MLP, *WIDE, "train.batch_size=65536", "layout=batch:data"), h100)
+    assert whole.flops == pytest.approx(2 * big.flops, rel=0.02)
+    assert whole.compute_s > 1.3 * big.compute_s
