@@ -17,7 +17,8 @@ from meshpar import mesh as mesh_lib
 from meshpar.config import ConfigError
 from meshpar.inputs import batch_shardings
 from meshpar.models import attention
-from meshpar.models.transformer import TransformerConfig, build, scan_unroll
+from meshpar.models.layers import scan_unroll
+from meshpar.models.transformer import TransformerConfig, build
 
 LENGTH, BATCH = 32, 8
 SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}

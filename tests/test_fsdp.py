@@ -16,7 +16,7 @@ from meshpar.inputs import make_source
 from meshpar.layout import Layout, LayoutError, format_rules, parse_rules
 from meshpar.mesh import build_mesh
 from meshpar.metrics import read_jsonl
-from meshpar.models import transformer
+from meshpar.models import decoder, transformer
 
 SIZES = {"replica": 2, "data": 2, "model": 2}
 MODEL_PARALLEL = "d_ff:model; heads:model; vocab:model"
@@ -88,8 +88,9 @@ def test_param_layout_is_checked_against_every_parameter():
 
 
 def test_block_dims_are_the_stacked_parameters_dims():
-    model = nnx.eval_shape(lambda: transformer.Transformer(transformer.TransformerConfig(), 8, rngs=nnx.Rngs(0)))
-    for name, dims in transformer.BLOCK_DIMS.items():
+    cfg = transformer.switches(transformer.TransformerConfig())
+    model = nnx.eval_shape(lambda: decoder.Decoder(cfg, 8, rngs=nnx.Rngs(0)))
+    for name, dims in decoder.block_dims(cfg).items():
         assert getattr(model.blocks, name).dims == ("layers", *dims)
 
 

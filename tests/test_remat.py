@@ -18,7 +18,7 @@ from meshpar import mesh as mesh_lib
 from meshpar import stop, trainer
 from meshpar.config import OptimizerConfig
 from meshpar.inputs import batch_shardings
-from meshpar.models import mlp, remat, transformer
+from meshpar.models import decoder, mlp, remat, transformer
 
 LENGTH, BATCH, STEPS = 32, 8, 3
 LM_SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}  # byte windows, as the text source serves them
@@ -97,13 +97,14 @@ def _saved(f, *args) -> str:
 
 def test_layers_tag_the_values_they_keep():
     cfg = _with(LM, positions="rotary", dropout=0.0)
-    blocks = nnx.eval_shape(lambda: transformer.Blocks(cfg, rngs=nnx.Rngs(0)))  # shapes only
-    stacked = {name: getattr(blocks, name).get_value() for name in transformer.BLOCK_PARAMS}
+    dcfg = transformer.switches(cfg)
+    blocks = nnx.eval_shape(lambda: decoder.Blocks(dcfg, rngs=nnx.Rngs(0)))  # shapes only
+    stacked = {name: getattr(blocks, name).get_value() for name in decoder.block_params(dcfg)}
     p = {name: jax.ShapeDtypeStruct(w.shape[1:], w.dtype) for name, w in stacked.items()}  # one layer
     x = jax.ShapeDtypeStruct((2, LENGTH, cfg.d_model), jnp.float32)
 
     def layer(policy):
-        return jax.checkpoint(lambda p, x: transformer.block(cfg, p, x, None).sum(), policy=policy)
+        return jax.checkpoint(lambda p, x: decoder.block(dcfg, p, x, None).sum(), policy=policy)
 
     # A policy that keeps one name keeps exactly that value (and the layer's arguments).
     for name in NAMES:

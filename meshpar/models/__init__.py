@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpar.models import layers, llama, mlp, transformer
+from meshpar.models import decoder, llama, mlp, transformer
 from meshpar.schema import ConfigError, short
 
 
@@ -136,33 +136,10 @@ MODELS: dict[str, Family] = {
         layer_flops=mlp.layer_flops,
         activation_names=mlp.ACTIVATION_NAMES,
     ),
-    "transformer": Family(
-        config=transformer.TransformerConfig,
-        build=transformer.build,
-        flops_per_example=transformer.flops_per_example,
-        tokens_per_example=lambda cfg, spec: layers.window_length(spec),  # predicted tokens: length, of length + 1
-        fields={"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
-        split_dims=transformer.split_dims,
-        fsdp_dims=transformer.fsdp_dims,
-        activation_all_reduces=transformer.activation_all_reduces,
-        num_layers=transformer.num_layers,
-        layer_flops=transformer.layer_flops,
-        activation_names=transformer.ACTIVATION_NAMES,
-    ),
-    "llama": Family(
-        config=llama.LlamaConfig,
-        build=llama.build,
-        flops_per_example=llama.flops_per_example,
-        tokens_per_example=lambda cfg, spec: layers.window_length(spec),
-        fields={"tokens": (1, "iu")},  # [length + 1] token ids, as the transformer's
-        split_dims=llama.split_dims,
-        fsdp_dims=llama.fsdp_dims,
-        activation_all_reduces=llama.activation_all_reduces,
-        num_layers=llama.num_layers,
-        layer_flops=llama.layer_flops,
-        activation_names=llama.ACTIVATION_NAMES,
-        layout_rules=llama.layout_rules,
-    ),
+    # The language models: one decoder (meshpar.models.decoder), each family's config mapped
+    # onto its switches.
+    "transformer": Family(config=transformer.TransformerConfig, **decoder.family_parts(transformer.switches)),
+    "llama": Family(config=llama.LlamaConfig, **decoder.family_parts(llama.switches)),
 }
 
 

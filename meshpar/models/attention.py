@@ -97,7 +97,7 @@ def repeat_kv(x: jax.Array, heads: int) -> jax.Array:
     """``[batch, length, kv_heads, kv]`` → ``[batch, length, heads, kv]``: key/value head ``j``
     repeated for query heads ``j·g .. j·g + g - 1`` (``g = heads / kv_heads``).
 
-    The model's heads always divide (:func:`meshpar.models.llama.check`). One device's view of a
+    The model's heads always divide (:func:`meshpar.models.decoder.check`). One device's view of a
     layout that splits the query heads but keeps the key/value heads whole (the planner traces
     the model at one device's shapes) may not: there the repeat is cut to the device's query
     heads, which is the shape and the work of what each device computes.

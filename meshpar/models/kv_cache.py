@@ -1,8 +1,8 @@
 """The key/value cache of autoregressive decoding, in logical dims, and the layer loop that reads
 and writes it.
 
-A language-model family that can generate (:mod:`meshpar.models.transformer`,
-:mod:`meshpar.models.llama`) gives its model two methods beside ``loss``:
+A language model that can generate (:class:`meshpar.models.decoder.Decoder`, the model of the
+transformer and llama families) has two methods beside ``loss``:
 
 * ``init_cache(batch, slots, start) -> KVCache``: an empty cache of `slots` positions;
 * ``decode(inputs [batch, steps], cache) -> (logits [batch, vocab] float32, cache)``: the

@@ -1,9 +1,9 @@
 """What the language-model families are built of: parameters in logical dims, RMSNorm, rotary
 positions, 2-D dense projections, the stacked-layer loop and the next-token loss.
 
-A family (:mod:`meshpar.models.transformer`, :mod:`meshpar.models.llama`) writes its layer as
-one function ``block(p, x, key)`` over one layer's weights ``p`` and hands it to
-:func:`run_layers`, which runs the stack under ``model.remat`` the same way for every family:
+The decoder (:mod:`meshpar.models.decoder`, behind the transformer and llama families) writes
+its layer as one function ``block(p, x, key)`` over one layer's weights ``p`` and hands it to
+:func:`run_layers`, which runs the stack under ``model.remat`` the same way for every model:
 one ``jax.lax.scan`` (``scan_layers``, ``scan_unroll`` layers per iteration) or an unrolled
 Python loop over slices of the same stacked arrays.
 """
@@ -146,9 +146,7 @@ def window_length(element_spec: dict) -> int:
     return window - 1
 
 
-def next_token_loss(
-    logits_fn: Callable[[jax.Array], jax.Array], batch: dict[str, jax.Array]
-) -> tuple[jax.Array, dict]:
+def next_token_loss(logits_fn: Callable[[jax.Array], jax.Array], batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
     """Mean cross-entropy (nats, float32) of each window's next tokens; plus accuracy.
 
     ``batch["tokens"]`` ``[batch, length + 1]`` (token ids, in the narrowest dtype that holds
@@ -173,7 +171,9 @@ def rope_frequencies(d_head: int, theta: float, llama3: tuple[float, float, floa
     high_freq_factor, original context length), Llama 3.1's scaling: wavelengths longer than
     ``original / low_freq_factor`` are stretched by ``factor``, those shorter than ``original /
     high_freq_factor`` kept, the band between interpolated smoothly."""
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d_head, 2, dtype=np.float32) / np.float32(d_head)))).astype(np.float32)
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d_head, 2, dtype=np.float32) / np.float32(d_head)))).astype(
+        np.float32
+    )
     if llama3 is None:
         return inv
     factor, low, high, original = (np.float32(v) for v in llama3)

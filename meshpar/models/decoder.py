@@ -1,0 +1,416 @@
+"""The decoder-only language model behind both LM families, :mod:`meshpar.models.transformer`
+and :mod:`meshpar.models.llama`: each maps its config onto a :class:`DecoderConfig` (sizes, a
+few architecture switches, how to run) and is this module's model from there on.
+
+``inputs [batch, length] → embed (+ learned positions) → n_layers × (RMSNorm → causal
+attention → residual; RMSNorm → MLP → residual) → RMSNorm → logits [batch, length, vocab]``.
+No projection has a bias. The switches:
+
+* ``mlp`` — ``gelu``: ``gelu(x·W_in)·W_out`` (parameters ``w_in``, ``w_out``); ``swiglu``:
+  ``(silu(x·W_gate) ⊙ x·W_up)·W_down`` (``w_gate``, ``w_up``, ``w_down``).
+* ``positions`` — ``learned``: a ``pos (length, embed)`` table of ``max_length`` rows added to
+  the embeddings; ``rotary``: query and key rotated in every layer by the angular frequencies
+  ``rope`` (``[d_head / 2]``, computed by the family), no parameters.
+* ``n_kv_heads`` — None: multi-head attention, key and value have the query heads' dim
+  (``heads``); a number: grouped-query attention, key and value have ``n_kv_heads`` heads of a
+  dim of their own, ``kv_heads``, each shared by ``n_heads / n_kv_heads`` query heads (a layout
+  that splits ``heads`` splits ``kv_heads`` alike where it divides: :func:`layout_rules`).
+* ``norm_eps`` — RMSNorm's epsilon (scale only, statistics in float32).
+* ``tie_embeddings`` — ``none``: an output matrix ``unembed (embed, vocab)``; ``scaled_logits``:
+  the input embedding (std 1), logits × ``d_model ** -0.5`` (T5, Mesh TensorFlow);
+  ``scaled_init``: the input embedding, drawn with std ``d_model ** -0.5``, logits unscaled (Llama).
+* ``dropout`` — rate on the embeddings and each residual branch (training only).
+
+Parameters: ``embed (vocab, embed)``, ``pos (length, embed)`` (learned), ``blocks/<name>`` of
+:func:`block_dims` (every block parameter stacked along a leading ``layers`` dim),
+``final_norm (embed,)``, ``unembed (embed, vocab)`` (untied). Each projection is drawn with std
+``fan_in ** -0.5``, the embedding and positions with std 1 (except ``scaled_init``), norms at 1;
+the draws go in this order, so a family's fresh parameters do not depend on this module's shape.
+
+Layers are always *stored* stacked, and ``scan_layers`` only chooses how they are *run*: one
+``jax.lax.scan`` over the stack (``scan_unroll`` layers per iteration; 0 picks by backend at
+trace time, see :func:`meshpar.models.layers.scan_unroll`) or an unrolled Python loop over
+slices of the same arrays; parameters, checkpoints and results are identical. The stack is built
+by hand (a leading dim on each initializer) rather than with ``nnx.vmap``, because NNX's
+transforms only rewrite flax's own ``sharding_names`` metadata, not our ``dims``. The attention
+core is ``attention`` (``auto | xla | blockwise | cudnn``, :mod:`meshpar.models.attention`); the
+projections run as 2-D matmuls over ``batch·length`` rows (:func:`meshpar.models.layers.dense`).
+
+``remat`` (``none | full | dots``, :mod:`meshpar.models.remat`) wraps the one function that runs
+a layer in ``jax.checkpoint``. Each layer tags the values its backward pass reads with
+``checkpoint_name``, so a policy can keep (or offload) them by name: ``layer_in`` (the layer's
+input ``[batch, length, embed]``), ``attn_in`` (attention's normed input), ``query``, ``key``,
+``value`` (``[batch, length, heads, kv]``, ``kv_heads`` for key and value when grouped; after
+rotary), ``context`` (attention's output per head), ``attn_out`` (its output projection),
+``attn_residual`` (the residual stream after attention), ``mlp_in`` (the MLP's normed input) and
+``mlp_hidden`` (after the activation, ``[batch, length, d_ff]``). Attention's ``[length,
+length]`` scores carry no name, so a policy that keeps only named values never keeps them. Host
+offload of activations (``offload.activations``) is such a policy, set by the train step
+(:func:`meshpar.models.remat.keeping`) in place of ``remat``.
+
+Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshpar.layout import constrain, use
+from meshpar.models import attention as attention_lib
+from meshpar.models import kv_cache, layers
+from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
+
+EMBED = ("batch", "length", "embed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """One decoder: its sizes, its architecture switches (see the module docstring) and how it runs."""
+
+    d_model: int  # "embed"
+    n_heads: int  # query heads, "heads"
+    d_head: int  # "kv"
+    d_ff: int  # the MLP's hidden width, "d_ff"
+    n_layers: int  # "layers"
+    vocab_size: int  # "vocab"
+    max_length: int  # longest sequence (learned positions: the table's rows)
+    mlp: Literal["gelu", "swiglu"]
+    positions: Literal["learned", "rotary"]
+    rope: tuple[float, ...] = ()  # rotary: the angular frequencies [d_head / 2]
+    n_kv_heads: int | None = None  # None: multi-head ("heads"); a number: grouped ("kv_heads")
+    norm_eps: float
+    tie_embeddings: Literal["none", "scaled_logits", "scaled_init"]
+    dropout: float = 0.0
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = True
+    remat: Literal["none", "full", "dots"] = "none"
+    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
+    attention_block: int = 512
+    scan_unroll: int = 0
+
+    @property
+    def kv_dim(self) -> str:
+        """The dim of the key/value heads."""
+        return "heads" if self.n_kv_heads is None else "kv_heads"
+
+    @property
+    def kv_heads(self) -> int:
+        """How many key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+
+def configure(cfg: Any, **switches: Any) -> DecoderConfig:
+    """A :class:`DecoderConfig` of `switches`, its other fields (sizes, how to run) read from the
+    fields of family config `cfg` of the same names (a switch given wins over a field of `cfg`)."""
+    own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DecoderConfig) if hasattr(cfg, f.name)}
+    return DecoderConfig(**{**own, **switches})
+
+
+MLP_PARAMS = {"gelu": ("w_in", "w_out"), "swiglu": ("w_gate", "w_up", "w_down")}
+
+
+def block_params(cfg: DecoderConfig) -> tuple[str, ...]:
+    """The names of a layer's parameters (``blocks/<name>``), in the order they are drawn."""
+    return ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", *MLP_PARAMS[cfg.mlp])
+
+
+def block_dims(cfg: DecoderConfig) -> dict[str, tuple[str, ...]]:
+    """Each block parameter's dims, without the leading ``layers`` of its stack."""
+    kv = ("embed", cfg.kv_dim, "kv")
+    dims = {
+        "attn_norm": ("embed",), "wq": ("embed", "heads", "kv"), "wk": kv, "wv": kv, "wo": ("heads", "kv", "embed"),
+        "mlp_norm": ("embed",),
+        "w_in": ("embed", "d_ff"), "w_out": ("d_ff", "embed"),
+        "w_gate": ("embed", "d_ff"), "w_up": ("embed", "d_ff"), "w_down": ("d_ff", "embed"),
+    }  # fmt: skip
+    return {name: dims[name] for name in block_params(cfg)}
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """One layer on ``x [batch, length, embed]`` in training; `p` holds this layer's (unstacked)
+    weights, `key` its dropout key (None: no dropout)."""
+
+    def attend(q, k, v):
+        return attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), None
+
+    return layer(cfg, p, x, attend, None, key)[0]
+
+
+def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
+          positions: jax.Array | None = None, key: jax.Array | None = None) -> tuple[jax.Array, object]:  # fmt: skip
+    """One layer with its attention core `attend(q, k, v) -> (context, cache)`: the whole window
+    in training (:func:`block`, dropout keyed by `key`), the new tokens against the key/value
+    cache in decoding, the tokens at `positions` ``[batch, length]`` (None: ``0 .. length - 1``)."""
+    dt, eps, dims = DTYPES[cfg.compute_dtype], cfg.norm_eps, block_dims(cfg)
+    k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+
+    def w(name: str, dtype=None) -> jax.Array:  # placed for compute by meshpar.layout.use
+        return use(p[name], dims[name], dtype)
+
+    heads, kv_heads = ("batch", "length", "heads", "kv"), ("batch", "length", cfg.kv_dim, "kv")
+    x = checkpoint_name(x, "layer_in")
+    h = checkpoint_name(rms_norm(x, w("attn_norm"), eps), "attn_in")  # [batch, length, embed]
+    q = constrain(dense(h, w("wq", dt)), heads)  # [batch, length, heads, kv]
+    k, v = (constrain(dense(h, w(name, dt)), kv_heads) for name in ("wk", "wv"))
+    if cfg.positions == "rotary":
+        inv_freq = jnp.asarray(cfg.rope, jnp.float32)  # [kv/2]
+        q, k = layers.rotary(q, inv_freq, positions), layers.rotary(k, inv_freq, positions)
+    q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+    o, cache = attend(q, k, v)
+    o = checkpoint_name(constrain(o, heads), "context")
+    attn = checkpoint_name(dense(o, w("wo", dt), 2), "attn_out")  # [batch, length, embed]
+    x = checkpoint_name(constrain(x + dropout(attn, cfg.dropout, k_attn), EMBED), "attn_residual")
+    h = checkpoint_name(rms_norm(x, w("mlp_norm"), eps), "mlp_in")
+    if cfg.mlp == "swiglu":
+        f, out = jax.nn.silu(dense(h, w("w_gate", dt))) * dense(h, w("w_up", dt)), "w_down"
+    else:
+        f, out = jax.nn.gelu(dense(h, w("w_in", dt))), "w_out"
+    f = checkpoint_name(constrain(f, ("batch", "length", "d_ff")), "mlp_hidden")
+    mlp = dense(f, w(out, dt))  # [batch, length, embed]
+    return constrain(x + dropout(mlp, cfg.dropout, k_mlp), EMBED), cache
+
+
+class Blocks(nnx.Module):
+    """All `n_layers` layers, every parameter stacked along a leading ``layers`` dim."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        n, d, f, pd = cfg.n_layers, cfg.d_model, cfg.d_ff, DTYPES[cfg.param_dtype]
+        self.cfg = cfg
+        sizes = {"embed": d, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "kv": cfg.d_head, "d_ff": f}
+        fan_in = {"wq": d, "wk": d, "wv": d, "wo": cfg.n_heads * cfg.d_head, "w_in": d, "w_out": f,
+                  "w_gate": d, "w_up": d, "w_down": f}  # fmt: skip
+        for name, dims in block_dims(cfg).items():
+            shape = (n, *(sizes[dim] for dim in dims))
+            if name in fan_in:
+                setattr(self, name, param(rngs, shape, ("layers", *dims), fan_in[name] ** -0.5, pd))
+            else:  # a norm's scale
+                setattr(self, name, ones(shape, ("layers", *dims), pd))
+
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), self.stacked(), x, key)
+
+    def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        layer_fn = functools.partial(layer, self.cfg)
+        return kv_cache.run_layers(layer_fn, self.stacked(), x, cache, layers.scan_unroll(self.cfg))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in block_params(self.cfg)}  # each [layers, ...]
+
+
+def check(cfg: DecoderConfig, length: int) -> str | None:
+    """What makes `cfg` unable to run sequences of `length`, or None."""
+    if cfg.n_kv_heads is not None and cfg.n_heads % cfg.n_kv_heads:
+        return f"n_kv_heads {cfg.n_kv_heads} does not divide n_heads {cfg.n_heads}"
+    if cfg.positions == "rotary" and cfg.d_head % 2:
+        return f"rotary positions need an even d_head, got {cfg.d_head}"
+    if length > cfg.max_length:
+        return f"sequence length {length} exceeds max_length {cfg.max_length}"
+    if cfg.attention in ("blockwise", "cudnn") and attention_lib.check_block(length, cfg.attention_block):
+        return f"attention_block {cfg.attention_block} does not divide the sequence length {length}"
+    if not 0.0 <= cfg.dropout < 1.0:
+        return f"dropout must be in [0, 1), got {cfg.dropout}"
+    return None
+
+
+class Decoder(nnx.Module):
+    """The model of both LM families, for sequences of up to `length` tokens."""
+
+    def __init__(self, cfg: DecoderConfig, length: int, *, rngs: nnx.Rngs):
+        problem = check(cfg, length)
+        if problem:
+            raise ValueError(problem)
+        d, v, pd = cfg.d_model, cfg.vocab_size, DTYPES[cfg.param_dtype]
+        self.cfg = cfg
+        self.embed = param(
+            rngs, (v, d), ("vocab", "embed"), d**-0.5 if cfg.tie_embeddings == "scaled_init" else 1.0, pd
+        )
+        if cfg.positions == "learned":
+            self.pos = param(rngs, (cfg.max_length, d), ("length", "embed"), 1.0, pd)
+        self.blocks = Blocks(cfg, rngs=rngs)
+        self.final_norm = ones((d,), ("embed",), pd)
+        if cfg.tie_embeddings == "none":
+            self.unembed = param(rngs, (d, v), ("embed", "vocab"), d**-0.5, pd)
+
+    def __call__(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """``inputs`` int [batch, length] → logits float32 [batch, length, vocab] (dropout keyed
+        by `rngs`, when given)."""
+        cfg = self.cfg
+        train = rngs is not None and cfg.dropout > 0.0
+        k_embed, k_blocks = jax.random.split(rngs.dropout()) if train else (None, None)
+        x = self.embedded(inputs)
+        if k_embed is not None:
+            x = constrain(dropout(x, cfg.dropout, k_embed), EMBED)
+        return self.logits(self.blocks(x, k_blocks))
+
+    def embedded(self, inputs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``inputs`` int [batch, length] (at `positions` [batch, length], or ``0 .. length - 1``)
+        → ``[batch, length, embed]`` in the compute dtype, learned positions added."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        inputs = constrain(inputs, ("batch", "length"))
+        x = jnp.take(use(self.embed[...], ("vocab", "embed"), dt), inputs, axis=0)  # [batch, length, embed]
+        if cfg.positions == "learned":
+            table = use(self.pos[...], ("length", "embed"), dt)  # [max_length, embed]
+            x = x + (table[: inputs.shape[1]][None] if positions is None else jnp.take(table, positions, axis=0))
+        return constrain(x, EMBED)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last layer's output ``[batch, length, embed]`` → float32 ``[batch, length, vocab]``."""
+        cfg, dt = self.cfg, DTYPES[self.cfg.compute_dtype]
+        x = rms_norm(x, use(self.final_norm[...], ("embed",)), cfg.norm_eps)
+        if cfg.tie_embeddings == "none":
+            logits = x @ use(self.unembed[...], ("embed", "vocab"), dt)
+        else:
+            logits = jnp.einsum("ble,ve->blv", x, use(self.embed[...], ("vocab", "embed"), dt))
+            if cfg.tie_embeddings == "scaled_logits":
+                logits = logits * cfg.d_model**-0.5
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))  # [batch, length, vocab]
+
+    def init_cache(self, batch: int, slots: int, start: jax.Array) -> kv_cache.KVCache:
+        """An empty key/value cache of `slots` positions (:mod:`meshpar.models.kv_cache`)."""
+        cfg = self.cfg
+        dt = DTYPES[cfg.compute_dtype]
+        return kv_cache.create(cfg.n_layers, batch, slots, cfg.kv_heads, cfg.d_head, dt, start, cfg.kv_dim)
+
+    def decode(self, inputs: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        """``inputs`` int [batch, steps] written into `cache` → the next token's logits float32
+        ``[batch, vocab]`` and the cache (:mod:`meshpar.models.kv_cache`); no dropout."""
+        learned = self.cfg.positions == "learned"
+        x = self.embedded(inputs, kv_cache.positions(cache, inputs.shape[1]) if learned else None)
+        x, cache = self.blocks.decode(x, cache)
+        return self.logits(x[:, -1:])[:, 0], cache
+
+    def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy and accuracy (:func:`meshpar.models.layers.next_token_loss`)."""
+        return layers.next_token_loss(lambda inputs: self(inputs, rngs), batch)
+
+
+def build(cfg: DecoderConfig, element_spec: dict, rngs: nnx.Rngs) -> Decoder:
+    return Decoder(cfg, layers.window_length(element_spec), rngs=rngs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and FLOPs
+
+
+def _layer_weights(cfg: DecoderConfig) -> int:
+    """The weights of one layer's matmuls: q and the output (``n_heads`` heads), k and v (the
+    key/value heads), the MLP's two or three matrices."""
+    attn = 2 * cfg.d_model * (cfg.n_heads + cfg.kv_heads) * cfg.d_head
+    return attn + len(MLP_PARAMS[cfg.mlp]) * cfg.d_model * cfg.d_ff
+
+
+def num_params(cfg: DecoderConfig) -> int:
+    """Every parameter: embedding, positions (learned: max_length × d_model), layers, norms, output."""
+    d, v = cfg.d_model, cfg.vocab_size
+    pos = cfg.max_length * d if cfg.positions == "learned" else 0
+    untied = d * v if cfg.tie_embeddings == "none" else 0
+    return v * d + pos + cfg.n_layers * (_layer_weights(cfg) + 2 * d) + d + untied
+
+
+def flops_per_token(cfg: DecoderConfig, length: int) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM (Chowdhery et al. 2022, App. B)
+    count::
+
+        6 * N + 12 * n_layers * (n_heads * d_head) * length
+        N = n_layers * (2 * d_model * (n_heads + kv_heads) * d_head + m * d_model * d_ff) + d_model * vocab_size
+
+    N counts the weights used in matmuls: q and the output (``n_heads`` heads), k and v (the
+    key/value heads: ``n_heads`` of them for multi-head attention), the MLP's ``m`` matrices (2
+    for GELU, 3 for SwiGLU), and the output projection (tied or not); the embedding lookup,
+    position table and norms do no matmul FLOPs. Attention's QKᵀ and AV (2 matmuls × 2 FLOPs × 3
+    for backward) run per *query* head over the full ``length`` (not halved for the causal
+    mask), so grouped key/value heads do not shrink them.
+    """
+    n = cfg.n_layers * _layer_weights(cfg) + cfg.d_model * cfg.vocab_size
+    return float(6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * length)
+
+
+def flops_per_example(cfg: DecoderConfig, element_spec: dict) -> float:
+    """Training FLOPs of one window: :func:`flops_per_token` × its length."""
+    length = layers.window_length(element_spec)
+    return flops_per_token(cfg, length) * length
+
+
+# ---------------------------------------------------------------------------------------------
+# What the planner reads (meshpar.models.Family)
+
+# Megatron's split, Mesh TensorFlow's model-parallel layout: attention by (query) heads, with
+# grouped key/value heads following where they divide (layout_rules), the MLP by d_ff, the
+# output by vocab; embed stays whole, so activations need no gather.
+SPLIT_DIMS = ("heads", "d_ff", "vocab")
+# Every parameter has an embed dim (norms, projections, embedding, output): FSDP along it alone
+# shards every weight once.
+FSDP_DIMS = ("embed",)
+
+
+def split_dims(cfg: DecoderConfig) -> tuple[str, ...]:
+    return SPLIT_DIMS
+
+
+def fsdp_dims(cfg: DecoderConfig, element_spec: dict) -> tuple[str, ...]:
+    return FSDP_DIMS
+
+
+def num_layers(cfg: DecoderConfig) -> int:
+    return cfg.n_layers
+
+
+def layer_flops(cfg: DecoderConfig, element_spec: dict) -> tuple[float, ...]:
+    """Training FLOPs of one window in each layer: :func:`flops_per_token`'s per-layer terms
+    (the layer's matmul weights and attention's two contractions) × the length."""
+    length = layers.window_length(element_spec)
+    per_token = 6 * _layer_weights(cfg) + 12 * cfg.n_heads * cfg.d_head * length
+    return (float(per_token * length),) * cfg.n_layers
+
+
+def layout_rules(cfg: DecoderConfig, rules: tuple, axis_sizes: Mapping[str, int]) -> tuple:
+    """`rules` with ``kv_heads`` (grouped key/value heads) following ``heads`` where the layout
+    splits ``heads``, names no rule for ``kv_heads``, and ``n_kv_heads`` divides by the split;
+    otherwise the key/value heads stay whole on every device."""
+    named = dict(rules)
+    if cfg.n_kv_heads is None or "kv_heads" in named or "heads" not in named:
+        return rules
+    axes = named["heads"]
+    ways = 1
+    for axis in (axes,) if isinstance(axes, str) else axes:
+        ways *= axis_sizes.get(axis, 1)
+    return (*rules, ("kv_heads", axes)) if cfg.n_kv_heads % ways == 0 else rules
+
+
+def family_parts(switches: Callable[[Any], DecoderConfig]) -> dict[str, Any]:
+    """The fields of a :class:`meshpar.models.Family` (all but ``config``) of a family whose config
+    `switches` maps onto a :class:`DecoderConfig`: the model is a :class:`Decoder`, every figure
+    the planner reads is this module's."""
+
+    def of(fn: Callable) -> Callable:
+        return lambda cfg, *args: fn(switches(cfg), *args)
+
+    return {
+        "build": of(build),
+        "fields": {"tokens": (1, "iu")},  # [length + 1] token ids; the model cuts inputs and targets on device
+        "flops_per_example": of(flops_per_example),
+        "tokens_per_example": lambda cfg, spec: layers.window_length(spec),  # predicted tokens: length, of length + 1
+        "split_dims": of(split_dims),
+        "fsdp_dims": of(fsdp_dims),
+        "activation_all_reduces": of(layers.activation_all_reduces),
+        "num_layers": of(num_layers),
+        "layer_flops": of(layer_flops),
+        "activation_names": layers.ACTIVATION_NAMES,
+        "layout_rules": of(layout_rules),
+    }
