@@ -379,8 +379,10 @@ def _prepare(
         # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out
         # of memory) fails the preparation instead of leaving it waiting forever for the unit.
         pool = concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(os.getpid(),),
+            min(workers, len(todo)),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(),),
         )
         try:
             futures = {pool.submit(_worker_unit, job): job[3] for job in jobs}

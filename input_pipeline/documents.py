@@ -46,9 +46,6 @@ class InputFile:
     kind: str  # "text", "jsonl" or "jsonl.gz"
 
 
-
-
-
 def _kind(name: str) -> str:
     if name.endswith(".jsonl"):
         return "jsonl"

@@ -75,13 +75,10 @@ def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
     if isinstance(feat, tfds.features.Image):
         if dtype != np.uint8 or None in shape or len(shape) != 3:
             raise DataError(
-                f"image feature {key!r} must be uint8 with a fixed HxWxC shape, "
-                f"got shape={shape} dtype={dtype}"
+                f"image feature {key!r} must be uint8 with a fixed HxWxC shape, got shape={shape} dtype={dtype}"
             )
         if not (importlib.util.find_spec("PIL") or importlib.util.find_spec("cv2")):
-            raise DataError(
-                f"image feature {key!r} needs Pillow (or OpenCV) to decode: pip install pillow"
-            )
+            raise DataError(f"image feature {key!r} needs Pillow (or OpenCV) to decode: pip install pillow")
         size = int(np.prod(shape))
 
         # Flattened float32 in [0, 1]: what an MLP consumes as "pixels".
@@ -103,9 +100,7 @@ def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
         return ((), np.dtype(np.int32)), lambda vals: np.asarray(vals, dtype=np.int32)
     if isinstance(feat, tfds.features.Tensor) and None not in shape and np.dtype(dtype).kind != "O":
         # Fixed-shape numeric tensors pass through unchanged.
-        return (shape, dtype), lambda vals: np.asarray(vals, dtype=dtype).reshape(
-            (len(vals), *shape)
-        )
+        return (shape, dtype), lambda vals: np.asarray(vals, dtype=dtype).reshape((len(vals), *shape))
     raise DataError(
         f"feature {key!r} of type {type(feat).__name__} (shape={shape}, dtype={dtype}) "
         "is not supported; use an Image, Text, integer scalar or fixed-shape Tensor"
@@ -123,7 +118,9 @@ class TfdsSource:
         try:  # here, not at import: the other sources run on images without tfds
             import tensorflow_datasets as tfds
         except ImportError:
-            raise DataError(f"dataset {name!r}: tensorflow_datasets is not installed (pip install tensorflow-datasets)") from None
+            raise DataError(
+                f"dataset {name!r}: tensorflow_datasets is not installed (pip install tensorflow-datasets)"
+            ) from None
         data_dir = os.fspath(data_dir)
         self.name, self.split, self.data_dir = name, split, data_dir
         problem = name_problem(name)
@@ -158,10 +155,7 @@ class TfdsSource:
                 f"({'/'.join(parts)}/ holds: {_folders(os.path.join(data_dir, *parts))})"
             ) from None
         if not builder.is_prepared():
-            raise DataError(
-                f"dataset {name!r} is not prepared in data_dir {data_dir} "
-                f"(expected {builder.data_path})"
-            )
+            raise DataError(f"dataset {name!r} is not prepared in data_dir {data_dir} (expected {builder.data_path})")
         info = builder.info
         available = list(info.splits)
         try:
@@ -188,9 +182,7 @@ class TfdsSource:
             self._spec[out_name], conv = _converter(key, features[key])
             self._convert[out_name] = (key, conv)
         try:
-            self._source = tfds.data_source(
-                name, split=split, data_dir=data_dir, download=False
-            )
+            self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
         except Exception as e:  # e.g. prepared as tfrecord, not array_record
             raise DataError(
                 f"cannot open {name!r} split {split!r} in {data_dir} for random "
@@ -217,7 +209,4 @@ class TfdsSource:
             rows = self._source.__getitems__(keys)
         else:
             rows = [self._source[i] for i in keys]
-        return {
-            out: conv([row[key] for row in rows])
-            for out, (key, conv) in self._convert.items()
-        }
+        return {out: conv([row[key] for row in rows]) for out, (key, conv) in self._convert.items()}

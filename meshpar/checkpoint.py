@@ -81,8 +81,12 @@ def _quiet_abandoned_reads() -> None:
         tb = unraisable.exc_traceback
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
-        in_asyncio = tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("asyncio/base_events.py")
-        return unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed" and in_asyncio
+        in_asyncio = tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
+            "asyncio/base_events.py"
+        )
+        return (
+            unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed" and in_asyncio
+        )
 
     def hook(unraisable):
         if not abandoned(unraisable):
@@ -342,7 +346,9 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------
     # Restoring
 
-    def restore(self, abstract_state: Any, shardings: Any = None, accept: Callable[[dict, int], None] | None = None) -> Restored:
+    def restore(
+        self, abstract_state: Any, shardings: Any = None, accept: Callable[[dict, int], None] | None = None
+    ) -> Restored:
         """The newest usable checkpoint, each array read straight into its target sharding, as
         the run's state (``codec.from_saved`` of what the checkpoint holds).
 
@@ -391,7 +397,9 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 — files verified, or no manifest: unknown either way
             raise self._unreadable(step, e) from None
         digests, record, position = meta["integrity"], meta["run"], meta["position"]
-        if integrity.json_digest(record) != digests.get("run") or integrity.json_digest(position) != digests.get("position"):
+        if integrity.json_digest(record) != digests.get("run") or integrity.json_digest(position) != digests.get(
+            "position"
+        ):
             raise integrity.Damaged("its run record or data position does not match its digest")
         if accept is not None:
             accept(record, step)
@@ -419,12 +427,19 @@ class Checkpointer:
         for name, want in zip(names, targets):
             got = stored.get(name)
             if got is None:
-                raise ConfigError("checkpoint", f"{where} has no {name}, which this config's state has ({_shape(want)})")
+                raise ConfigError(
+                    "checkpoint", f"{where} has no {name}, which this config's state has ({_shape(want)})"
+                )
             if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
-                raise ConfigError("checkpoint", f"{where} holds {name} as {_shape(got)}; this config makes it {_shape(want)}")
+                raise ConfigError(
+                    "checkpoint", f"{where} holds {name} as {_shape(got)}; this config makes it {_shape(want)}"
+                )
         extra = sorted(set(stored) - set(names))
         if extra:
-            raise ConfigError("checkpoint", f"{where} holds {extra[0]} ({_shape(stored[extra[0]])}), which this config's state has not")
+            raise ConfigError(
+                "checkpoint",
+                f"{where} holds {extra[0]} ({_shape(stored[extra[0]])}), which this config's state has not",
+            )
 
     def _set_aside(self, step: int, reason: str, older: int | None) -> None:
         """Move a damaged step out of the list of steps, keeping its files."""
@@ -438,7 +453,9 @@ class Checkpointer:
             try:
                 os.rename(self.directory / str(step), target)
             except OSError as e:
-                raise CheckpointError(f"step {step} is damaged ({reason}) but cannot be set aside: {e.strerror or e}") from None
+                raise CheckpointError(
+                    f"step {step} is damaged ({reason}) but cannot be set aside: {e.strerror or e}"
+                ) from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

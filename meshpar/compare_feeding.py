@@ -51,8 +51,17 @@ COLUMNS = [
 def run_one(config: str, overrides: list[str], workdir: pathlib.Path) -> dict:
     """One training run in a fresh process; returns its summary plus per-step data."""
     # Each invocation replaces its own earlier runs (their checkpoints included).
-    cmd = [sys.executable, "-m", "meshpar.train", "--config", config, *overrides, f"workdir={workdir}", "train.progress=false",
-           "checkpoint.overwrite=true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshpar.train",
+        "--config",
+        config,
+        *overrides,
+        f"workdir={workdir}",
+        "train.progress=false",
+        "checkpoint.overwrite=true",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if result.returncode:
         sys.stderr.write(result.stderr)
@@ -174,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     (outdir / "feed_comparison.md").write_text(table)
     (outdir / "feed_comparison.json").write_text(
-        json.dumps({"mesh": runs[0]["mesh"], "layout": runs[0]["layout"], "losses_identical": identical, "runs": rows}, indent=2)
+        json.dumps(
+            {"mesh": runs[0]["mesh"], "layout": runs[0]["layout"], "losses_identical": identical, "runs": rows},
+            indent=2,
+        )
         + "\n"
     )
     try:

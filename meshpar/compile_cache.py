@@ -42,14 +42,15 @@ def configure(cfg) -> str | None:
             try:
                 os.makedirs(path, exist_ok=True)
             except OSError as e:  # else jax warns on every program and keeps nothing
-                raise ConfigError("compile_cache.dir", f"cannot create {path}: {e.strerror or e} (\"\" turns the cache off)") from None
+                raise ConfigError(
+                    "compile_cache.dir", f'cannot create {path}: {e.strerror or e} ("" turns the cache off)'
+                ) from None
     if MIN_SECS_ENV not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", cfg.min_compile_secs)
     if jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", path)
         compilation_cache.reset_cache()  # the next compilation opens the new folder
     return path
-
 
 
 @contextlib.contextmanager

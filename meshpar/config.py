@@ -19,13 +19,34 @@ import yaml
 # `import jax` (see meshpar.mesh), so the value is reported here in one line.
 from meshpar import mesh as mesh_lib  # isort: skip
 from meshpar import layout as layout_lib
-from meshpar import pipeline as pipeline_lib
 from meshpar import models as models_lib
+from meshpar import pipeline as pipeline_lib
 from meshpar import sources
-from meshpar.schema import INT32_MAX, MAX_TIMEOUT_S, SEED_MAX, ConfigError, at_least, between, build, describe, short
-from meshpar.schema import parse_yaml
+from meshpar.schema import (
+    INT32_MAX,
+    MAX_TIMEOUT_S,
+    SEED_MAX,
+    ConfigError,
+    at_least,
+    between,
+    build,
+    describe,
+    parse_yaml,
+    short,
+)
 
-__all__ = ["Config", "ConfigError", "build", "check", "check_batch_size", "check_pipeline", "from_dict", "load", "read", "to_dict"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "build",
+    "check",
+    "check_batch_size",
+    "check_pipeline",
+    "from_dict",
+    "load",
+    "read",
+    "to_dict",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +401,15 @@ def from_dict(raw: Any) -> Config:
 
 # Folder and file settings: each becomes a path the run creates or reads ("byte", data.tokenizer's
 # other value, passes as a name).
-PATHS = ("workdir", "checkpoint.dir", "data.data_dir", "data.corpus_dir", "data.tokenizer", "data.path", "compile_cache.dir")
+PATHS = (
+    "workdir",
+    "checkpoint.dir",
+    "data.data_dir",
+    "data.corpus_dir",
+    "data.tokenizer",
+    "data.path",
+    "compile_cache.dir",
+)
 # The longest file name (one path component, in bytes) and path that Linux and macOS file systems
 # take; a longer one fails deep inside a library (orbax, tfds) instead of here.
 NAME_MAX, PATH_MAX = 255, 4095
@@ -424,10 +453,15 @@ def check(cfg: Config) -> None:
         _check_path(key, getattr(getattr(cfg, section) if section else cfg, name))
     profile = cfg.train.profile
     if profile.steps and profile.start > cfg.train.steps:
-        raise ConfigError("train.profile.start", f"step {profile.start} is past train.steps {cfg.train.steps}: nothing would be traced")
+        raise ConfigError(
+            "train.profile.start",
+            f"step {profile.start} is past train.steps {cfg.train.steps}: nothing would be traced",
+        )
     d = cfg.distributed
     if d.process_id >= d.num_processes:
-        raise ConfigError("distributed.process_id", f"{d.process_id} is not below distributed.num_processes {d.num_processes}")
+        raise ConfigError(
+            "distributed.process_id", f"{d.process_id} is not below distributed.num_processes {d.num_processes}"
+        )
     if d.coordinator:
         _check_coordinator(d.coordinator)
     for name in ("b1", "b2"):
@@ -439,7 +473,10 @@ def check(cfg: Config) -> None:
     source = sources.of(cfg.data)
     source.check(cfg.data)
     if cfg.feed.reuse_buffers and cfg.data.workers:
-        raise ConfigError("feed.reuse_buffers", f"needs data.workers: 0 (with {cfg.data.workers} workers, batches arrive in shared memory)")
+        raise ConfigError(
+            "feed.reuse_buffers",
+            f"needs data.workers: 0 (with {cfg.data.workers} workers, batches arrive in shared memory)",
+        )
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume == "auto":
         raise ConfigError("checkpoint.overwrite", "replaces the earlier run, so it cannot be combined with --resume")
     for i, key in enumerate(cfg.checkpoint.allow_changes):
@@ -450,9 +487,15 @@ def check(cfg: Config) -> None:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
     _check_offload(cfg)
     block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
-    if source.token_windows and attention in ("blockwise", "cudnn") and block < cfg.data.length and cfg.data.length % block:
+    if (
+        source.token_windows
+        and attention in ("blockwise", "cudnn")
+        and block < cfg.data.length
+        and cfg.data.length % block
+    ):
         raise ConfigError(
-            "model.attention_block", f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)"
+            "model.attention_block",
+            f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)",
         )
 
 
@@ -463,7 +506,8 @@ def _check_offload(cfg: Config) -> None:
     default = OffloadConfig.oversubscription
     if not off.unified_memory and off.oversubscription != default:
         raise ConfigError(
-            "offload.oversubscription", f"{off.oversubscription:g} applies with offload.unified_memory: true (it is false)"
+            "offload.oversubscription",
+            f"{off.oversubscription:g} applies with offload.unified_memory: true (it is false)",
         )
     setting = cfg.offload.activations
     if setting == "none":
@@ -517,14 +561,18 @@ def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
     pipeline's settings only with one. A -1 axis is skipped as in :func:`check_batch_size`."""
     p = cfg.pipeline
     if p.repeats > 1 and p.schedule != "circular":
-        raise ConfigError("pipeline.repeats", f"{p.repeats} groups of layers per stage need pipeline.schedule: circular")
+        raise ConfigError(
+            "pipeline.repeats", f"{p.repeats} groups of layers per stage need pipeline.schedule: circular"
+        )
     axes = dict(layout_lib.on_mesh(cfg.layout, mesh_shape)).get("layers")
     if axes is None:
         if p.schedule != "gpipe" or p.repeats > 1:
             raise ConfigError("pipeline.schedule", f"{p.schedule} needs a stage axis: a layout rule layers:<mesh axis>")
         return
     if isinstance(axes, tuple):
-        raise ConfigError("layout", f"layers:{layout_lib.format_axes(axes)}: the layers split over one mesh axis, the stage axis")
+        raise ConfigError(
+            "layout", f"layers:{layout_lib.format_axes(axes)}: the layers split over one mesh axis, the stage axis"
+        )
     for key, rules in (("layout", cfg.layout), ("param_layout", cfg.param_layout)):
         for dim, on in layout_lib.on_mesh(rules, mesh_shape):
             if dim != "layers" and axes in ((on,) if isinstance(on, str) else on):
@@ -536,7 +584,9 @@ def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
         return
     if cfg.offload.params or cfg.offload.activations != "none":
         key = "offload.params" if cfg.offload.params else "offload.activations"
-        raise ConfigError(key, f"host offload inside a pipeline's stages is not supported (layers:{axes}); offload.optimizer is")
+        raise ConfigError(
+            key, f"host offload inside a pipeline's stages is not supported (layers:{axes}); offload.optimizer is"
+        )
     sched = pipeline_lib.Schedule(axes, mesh_shape[axes], cfg.train.microbatches, p.schedule, p.repeats)
     problem = pipeline_lib.problem(sched, pipeline_lib.stack_layers(cfg.model))
     if problem:
@@ -596,7 +646,9 @@ def read(path: str | pathlib.Path) -> dict:
     except OSError as e:
         raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:  # a ValueError, not an OSError: e.g. a binary file
-        raise ConfigError("config", f"cannot read {path}: not {e.encoding} text ({e.reason} at byte {e.start})") from None
+        raise ConfigError(
+            "config", f"cannot read {path}: not {e.encoding} text ({e.reason} at byte {e.start})"
+        ) from None
     try:
         raw = parse_yaml(text, str(path))
     except ConfigError:  # a key twice in one mapping: already one line naming the key

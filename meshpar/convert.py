@@ -50,7 +50,9 @@ def from_hf(args) -> int:
     r = done.report
     print(f"from-hf: {done.source.describe()}, {_mib(r.file_bytes)} → {done.checkpoint} (step 0, fresh "
           f"{cfg.optimizer.name} state), model param_dtype {cfg.model.param_dtype}, mesh {done.mesh}, layout {done.layout}")  # fmt: skip
-    print(f"from-hf: parameters {_mib(r.placed_bytes)} as placed (replicas included), read and placed in {r.seconds:.2f} s; {r.describe()}")
+    print(
+        f"from-hf: parameters {_mib(r.placed_bytes)} as placed (replicas included), read and placed in {r.seconds:.2f} s; {r.describe()}"
+    )
     print(f"from-hf: copied {', '.join(done.copied) or 'nothing else (no tokenizer files)'}")
     overrides = "".join(f" {o}" for o in args.overrides)
     print(f"continue: python -m meshpar.train --config {args.config}{overrides} workdir={args.workdir} --resume "
@@ -74,17 +76,23 @@ def model_yaml(args) -> int:
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     prog = "python -m meshpar.convert"
-    p1 = argparse.ArgumentParser(prog=f"{prog} from-hf", description="A Hugging Face Llama folder → step 0 of a meshpar run.")
+    p1 = argparse.ArgumentParser(
+        prog=f"{prog} from-hf", description="A Hugging Face Llama folder → step 0 of a meshpar run."
+    )
     p1.add_argument("hf_dir", type=Path, help="folder with config.json and model.safetensors (or its index)")
     p1.add_argument("--config", required=True, help="the run's experiment YAML (model.name: llama)")
     p1.add_argument("--workdir", required=True, type=Path, help="the run folder to write (new or empty)")
     p1.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for meshpar.train")
-    p2 = argparse.ArgumentParser(prog=f"{prog} to-hf", description="A meshpar run's newest checkpoint → a Hugging Face folder.")
+    p2 = argparse.ArgumentParser(
+        prog=f"{prog} to-hf", description="A meshpar run's newest checkpoint → a Hugging Face folder."
+    )
     p2.add_argument("run", type=Path, help="the run's workdir, or its checkpoint folder")
     p2.add_argument("out_dir", type=Path, help="the folder to write (new or empty)")
     p2.add_argument("--max-shard-size", type=_size, default=writer.MAX_SHARD_BYTES,
                     help="split model.safetensors into shards of at most this size (default 5GB)")  # fmt: skip
-    p3 = argparse.ArgumentParser(prog=f"{prog} model-yaml", description="The model section matching a Hugging Face folder.")
+    p3 = argparse.ArgumentParser(
+        prog=f"{prog} model-yaml", description="The model section matching a Hugging Face folder."
+    )
     p3.add_argument("hf_dir", type=Path)
     return {"from-hf": p1, "to-hf": p2, "model-yaml": p3}
 
@@ -93,7 +101,9 @@ COMMANDS = {"from-hf": from_hf, "to-hf": to_hf, "model-yaml": model_yaml}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshpar.convert", description="Hugging Face checkpoints in and out.")
+    parser = argparse.ArgumentParser(
+        prog="python -m meshpar.convert", description="Hugging Face checkpoints in and out."
+    )
     parser.add_argument("command", choices=list(COMMANDS))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's arguments (COMMAND --help)")
     top = parser.parse_args(argv)

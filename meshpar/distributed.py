@@ -149,17 +149,25 @@ def _startup_failure(cfg: DistributedConfig, phase: str) -> str:
     wait = f"within {cfg.initialization_timeout} s (distributed.initialization_timeout)"
     address = cfg.coordinator or "the coordinator"
     if phase == "backend":
-        return (f"distributed error: {who}: the {cfg.num_processes} processes joined, but not all of them "
-                f"started their devices {wait}")
+        return (
+            f"distributed error: {who}: the {cfg.num_processes} processes joined, but not all of them "
+            f"started their devices {wait}"
+        )
     if cfg.process_id == 0:
-        return (f"distributed error: not all {cfg.num_processes} processes joined the coordinator at "
-                f"{address} {wait}: a process never came")
+        return (
+            f"distributed error: not all {cfg.num_processes} processes joined the coordinator at "
+            f"{address} {wait}: a process never came"
+        )
     why = _probe(cfg.coordinator) if cfg.coordinator else None
     if why:
-        return (f"distributed error: {who} cannot reach the coordinator at {address} ({why}) {wait}; "
-                f"process 0 must run there (distributed.coordinator)")
-    return (f"distributed error: {who} could not join the coordinator at {address} {wait}: "
-            f"a process never came, or that address is not process 0's coordinator")
+        return (
+            f"distributed error: {who} cannot reach the coordinator at {address} ({why}) {wait}; "
+            f"process 0 must run there (distributed.coordinator)"
+        )
+    return (
+        f"distributed error: {who} could not join the coordinator at {address} {wait}: "
+        f"a process never came, or that address is not process 0's coordinator"
+    )
 
 
 def join(cfg: DistributedConfig, checkpoint_dir: str | None = None) -> None:
@@ -181,10 +189,13 @@ def join(cfg: DistributedConfig, checkpoint_dir: str | None = None) -> None:
     with _deadline(cfg.initialization_timeout, lambda: _startup_failure(cfg, phase)):
         try:
             jax.distributed.initialize(
-                cfg.coordinator or None, cfg.num_processes, None if cfg.process_id < 0 else cfg.process_id,
+                cfg.coordinator or None,
+                cfg.num_processes,
+                None if cfg.process_id < 0 else cfg.process_id,
                 initialization_timeout=cfg.initialization_timeout + _BACKSTOP_S,
                 heartbeat_timeout_seconds=(
-                    cfg.heartbeat_timeout_seconds if _together is None
+                    cfg.heartbeat_timeout_seconds
+                    if _together is None
                     else liveness.jax_heartbeat_timeout(cfg.heartbeat_timeout_seconds)
                 ),
                 shutdown_timeout_seconds=cfg.shutdown_timeout_seconds,
@@ -199,8 +210,9 @@ def join(cfg: DistributedConfig, checkpoint_dir: str | None = None) -> None:
         try:
             jax.devices()
         except RuntimeError as e:
-            raise DistributedError(f"process {jax.process_index()}: the processes' devices could not be "
-                                   f"gathered: {_one_line(e)}") from None
+            raise DistributedError(
+                f"process {jax.process_index()}: the processes' devices could not be gathered: {_one_line(e)}"
+            ) from None
 
 
 # ------------------------------------------------------------------------------------------
@@ -308,7 +320,9 @@ class _Together:
                 # The coordination service failed, or is gone with process 0; jax's error poller
                 # is ending this process too, with a stack trace. Say it in one line first.
                 status = (str(e).strip() or type(e).__name__).splitlines()[0]  # gRPC details follow
-                what = "lost the coordination service (process 0)" if self.process else "the coordination service failed"
+                what = (
+                    "lost the coordination service (process 0)" if self.process else "the coordination service failed"
+                )
                 _exit_now(describe(TrainingError(f"{what}: {status}; {self._last_checkpoint()}"))[0], 1)
                 return
             if value == _DONE:

@@ -92,7 +92,9 @@ def build(cfg: Config) -> Experiment:
     step = parts.assemble(cfg, mesh, layout, inputs.element_spec, inputs.shardings, record["decay_steps"])
     plan = step.plan
     parts.say_unused_rules(cfg, mesh, plan)
-    origin = init_from.open_source(cfg, plan.abstract.params)  # checkpoint.init_from, checked before anything is allocated
+    origin = init_from.open_source(
+        cfg, plan.abstract.params
+    )  # checkpoint.init_from, checked before anything is allocated
     compiled = {}  # program name -> compiled by the pre-flight (meshpar.plan.programs)
     if cfg.plan.check:
         breakdown, capacity = preflight.check_analytic(cfg, step, inputs.element_spec)
@@ -114,7 +116,9 @@ def build(cfg: Config) -> Experiment:
     else:
         state = plan.materialize(layout, mesh)
     train_step = step.step
-    eval_step = trainer.make_eval_step(plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings, plan.schedule)
+    eval_step = trainer.make_eval_step(
+        plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings, plan.schedule
+    )
     if "train step" in compiled:
         train_step = _compiled_step(compiled["train step"], train_step)
     if "eval step" in compiled:

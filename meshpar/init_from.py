@@ -41,7 +41,16 @@ from meshpar.hf import reader
 
 KEY = "checkpoint.init_from"
 # Model settings that choose how a model runs or trains, not what it computes from its parameters.
-EXECUTION = ("param_dtype", "compute_dtype", "scan_layers", "remat", "attention", "attention_block", "scan_unroll", "dropout")
+EXECUTION = (
+    "param_dtype",
+    "compute_dtype",
+    "scan_layers",
+    "remat",
+    "attention",
+    "attention_block",
+    "scan_unroll",
+    "dropout",
+)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -77,7 +86,9 @@ class SavedRun:
         try:
             return dict(ocp.JsonCheckpointHandler().restore(self.step_dir / item))
         except Exception as e:  # noqa: BLE001 — what failed is named in one line
-            raise CheckpointError(f"cannot read the {item} record of step {self.step} in {self.directory}: {e}") from None
+            raise CheckpointError(
+                f"cannot read the {item} record of step {self.step} in {self.directory}: {e}"
+            ) from None
 
     def record(self) -> dict:
         """The run record the step was saved with (:mod:`meshpar.resume`)."""
@@ -153,7 +164,9 @@ class RunSource:
         got = integrity.array_digests([arrays[n] for n in names], names)
         for n in names:
             if got[n] != digests.get(n):
-                raise CheckpointError(f"step {self.run.step} in {self.run.directory} is damaged: {n} does not match its saved digest")
+                raise CheckpointError(
+                    f"step {self.run.step} in {self.run.directory} is damaged: {n} does not match its saved digest"
+                )
         out = []
         for n, (_, a), s in zip(names, flat, jax.tree.leaves(shardings)):
             x = arrays.pop(n)
@@ -192,7 +205,9 @@ def check_run(cfg: Config, run: SavedRun, abstract_params) -> RunSource:
         if name not in saved:
             raise ConfigError(KEY, f"{where} has no {name}, which this model has ({a.dtype}{list(a.shape)})")
         if saved[name][0] != tuple(a.shape):
-            raise ConfigError(KEY, f"{where} holds {name} as {list(saved[name][0])}; this model makes it {list(a.shape)}")
+            raise ConfigError(
+                KEY, f"{where} holds {name} as {list(saved[name][0])}; this model makes it {list(a.shape)}"
+            )
     extra = sorted(set(saved) - names)
     if extra:
         raise ConfigError(KEY, f"{where} holds {extra[0]} {list(saved[extra[0]][0])}, which this model has not")

@@ -83,7 +83,7 @@ def beat(client: Any, process: int, every: float, finished: threading.Event) -> 
 def read(client: Any) -> dict[int, str]:
     """Every process's counter (or DONE), by process, in one call."""
     prefix = f"{ALIVE}/"
-    return {int(k[len(prefix):]): v for k, v in client.key_value_dir_get(prefix)}
+    return {int(k[len(prefix) :]): v for k, v in client.key_value_dir_get(prefix)}
 
 
 class Silence:

@@ -62,7 +62,9 @@ from meshpar.stop import Interrupted, StopSignals
 def rates(exp: Experiment, seconds_per_step: float, prefix: str = "") -> dict[str, float]:
     """examples/s, tokens/s, model TFLOP/s per device and MFU at `seconds_per_step`."""
     batch = exp.cfg.train.batch_size
-    out = throughput.rates(exp.flops_per_example, exp.tokens_per_example, batch, seconds_per_step, exp.mesh.size, exp.peak_tflops)
+    out = throughput.rates(
+        exp.flops_per_example, exp.tokens_per_example, batch, seconds_per_step, exp.mesh.size, exp.peak_tflops
+    )
     return {f"{prefix}{k}": v for k, v in {"examples_per_s": batch / seconds_per_step, **out}.items()}
 
 
@@ -160,7 +162,12 @@ def train(exp: Experiment) -> dict:
     book = None
     try:
         book = _Book(exp, start, lead)
-        with book.progress, inputs.batches(start, cfg.train.steps) as batches, StopSignals(exp.mesh) as stop, book.trace:
+        with (
+            book.progress,
+            inputs.batches(start, cfg.train.steps) as batches,
+            StopSignals(exp.mesh) as stop,
+            book.trace,
+        ):
             book.stats.start()
             pending = None  # the step dispatched before, its results not fetched yet
             for fed in batches:
@@ -170,7 +177,9 @@ def train(exp: Experiment) -> dict:
                 state, metrics = exp.train_step(state, fed.arrays, stop.flags())
                 current = _InFlight(step, metrics, dispatched, fed.wait_s, fed.info)
                 del fed, metrics  # the batch is released before the next is placed
-                stopping = book.finish(pending) if pending is not None else 0  # the previous step's results, while this one runs
+                stopping = (
+                    book.finish(pending) if pending is not None else 0
+                )  # the previous step's results, while this one runs
                 if stopping or book.syncs(step):  # `state` is this step's until the next dispatch
                     pending, stopping = None, book.finish(current, state, stopping)
                     if stopping:
@@ -210,7 +219,9 @@ class _Book:
         self.trace = StepTrace(cfg.train.profile, cfg.workdir)
         self.show = cfg.train.progress and lead
         self.progress = _progress(self.show)
-        self.task = self.progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra="")
+        self.task = self.progress.add_task(
+            "train", total=cfg.train.steps, completed=start, loss=float("nan"), eps=0.0, extra=""
+        )
         self.writer = MetricsWriter(cfg.workdir, start, enabled=lead)
 
     def evals(self, step: int) -> bool:
@@ -249,7 +260,12 @@ class _Book:
             evaluated = self.evals(step)
             if evaluated:
                 self.last_eval = evaluate(self.exp, state)
-        if evaluated or step % self.train.log_every == 0 or step == self.train.steps or (state is not None and stopping):
+        if (
+            evaluated
+            or step % self.train.log_every == 0
+            or step == self.train.steps
+            or (state is not None and stopping)
+        ):
             window = self.stats.window()
             row = {"loss": loss, **window, **_scalars(metrics), **(self.last_eval if evaluated else {})}
             row.update(rates(self.exp, window["wall_time_per_step_s"]))
@@ -276,7 +292,9 @@ def _check_finite(loss: float, grad_norm: float, step: int, ckpt: Checkpointer |
 def _scalars(metrics: dict) -> dict[str, float]:
     """The step's metrics for its row, fetched only for rows (the loss comes first, from the
     caller; no stop flag)."""
-    return {k: float(v) for k, v in jax.device_get({k: v for k, v in metrics.items() if k not in ("loss", "stop")}).items()}
+    return {
+        k: float(v) for k, v in jax.device_get({k: v for k, v in metrics.items() if k not in ("loss", "stop")}).items()
+    }
 
 
 def _eval_text(last_eval: dict) -> str:

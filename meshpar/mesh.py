@@ -34,7 +34,7 @@ try:
 finally:
     if _hidden is not None:
         os.environ[CPU_DEVICES_ENV] = _hidden
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh  # noqa: E402 - jax is imported above, with the env var set
 
 # A `-1` axis on a host with only CPUs fills this many simulated devices, unless
 # JAX_NUM_CPU_DEVICES says otherwise.

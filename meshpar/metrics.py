@@ -62,7 +62,12 @@ class MetricsWriter:
             return
         with _writing(self.workdir / "tb"):
             # One event per row, all its scalars in it (one add_scalar each costs ~0.3 ms).
-            scalars = [v for k, x in row.items() if k != "step" and isinstance(x, (int, float)) for v in self._scalar(k, x).value]
+            scalars = [
+                v
+                for k, x in row.items()
+                if k != "step" and isinstance(x, (int, float))
+                for v in self._scalar(k, x).value
+            ]
             self._tb.file_writer.add_summary(self._summary(value=scalars), int(step))
 
     def close(self) -> None:

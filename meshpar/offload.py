@@ -41,8 +41,7 @@ from typing import Any
 
 import jax
 
-from meshpar import jaxprs
-from meshpar import models
+from meshpar import jaxprs, models
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -98,6 +97,7 @@ def place_state(shardings: Any, optimizer: bool, params: bool) -> Any:
 def fetch(tree: Any, shardings: Any) -> Any:
     """Inside a jitted step: every leaf of `tree` whose sharding is in host memory, moved to
     the devices (same split); the others as they are."""
+
     def one(x, s):
         return jax.device_put(x, s.with_memory_kind(DEVICE)) if on_host(s) else x
 

@@ -26,14 +26,13 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from meshpar import compile_cache, distributed, pipeline, resume, stop, trainer
+from meshpar import compile_cache, distributed, models, pipeline, resume, stop, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
 from meshpar import offload as offload_lib
 from meshpar.config import Config, ConfigError
-from meshpar import models
 
 
 @contextlib.contextmanager

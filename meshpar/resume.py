@@ -116,7 +116,9 @@ def restore(cfg: Config, checkpointer: Checkpointer, plan: trainer.StatePlan, ne
 
     restored = checkpointer.restore(plan.abstract, plan.shardings, accept=accept)
     if restored.position.get("next_batch") != restored.step:
-        raise CheckpointError(f"checkpoint at step {restored.step} records input position {restored.position.get('next_batch')}")
+        raise CheckpointError(
+            f"checkpoint at step {restored.step} records input position {restored.position.get('next_batch')}"
+        )
     return Resumed(restored.state, went_on["record"], restored.step)
 
 

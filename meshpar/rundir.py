@@ -117,7 +117,10 @@ def open_checkpoints(cfg: Config, codec: Codec = IDENTITY) -> Checkpointer | Non
         if jax.process_index() == 0:
             # The earlier run's outputs go with it: metrics.jsonl would be rewritten anyway, and
             # its TensorBoard events would mix with the new run's curves.
-            for path in [*(run_entries(directory) if cfg.checkpoint.overwrite else []), *(Path(cfg.workdir) / o for o in OUTPUTS)]:
+            for path in [
+                *(run_entries(directory) if cfg.checkpoint.overwrite else []),
+                *(Path(cfg.workdir) / o for o in OUTPUTS),
+            ]:
                 _remove(path)
         _sync("meshpar_fresh_run")
     if not (cfg.checkpoint.every or cfg.checkpoint.resume == "auto"):

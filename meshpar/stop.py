@@ -45,7 +45,10 @@ def flag_sharding(mesh: Mesh) -> NamedSharding:
 def make_flags(mesh: Mesh, signum: int) -> jax.Array:
     """The step's ``stop`` input: this process's devices all hold `signum` (0 = keep going)."""
     sharding, shape = flag_sharding(mesh), (mesh.size,)
-    local = [jax.device_put(np.full(sharding.shard_shape(shape), signum, np.int32), d) for d in sharding.addressable_devices_indices_map(shape)]
+    local = [
+        jax.device_put(np.full(sharding.shard_shape(shape), signum, np.int32), d)
+        for d in sharding.addressable_devices_indices_map(shape)
+    ]
     return jax.make_array_from_single_device_arrays(shape, sharding, local)
 
 

@@ -53,8 +53,12 @@ _A100 = "NVIDIA A100 datasheet, nvidia.com/en-us/data-center/a100"
 # H100 SXM reports no form factor ("NVIDIA H100 80GB HBM3"), so plain "H100" comes last.
 GPU_PEAKS: list[tuple[re.Pattern, GpuPeak]] = [
     # GH200 datasheet: FP32 67, TF32 tensor core 989*, BF16 tensor core 1,979* TFLOPS.
-    (re.compile(r"\bGH200\b"), _datasheet("GH200", 1979, 989, 67.0, "NVIDIA GH200 datasheet, "
-                                          "nvidia.com/en-us/data-center/grace-hopper-superchip")),
+    (
+        re.compile(r"\bGH200\b"),
+        _datasheet(
+            "GH200", 1979, 989, 67.0, "NVIDIA GH200 datasheet, nvidia.com/en-us/data-center/grace-hopper-superchip"
+        ),
+    ),
     # H200 NVL column: FP32 60, TF32 835*, BF16 1,671*.
     (re.compile(r"\bH200 NVL\b", re.I), _datasheet("H200 NVL", 1671, 835, 60.0, _H200)),
     # H200 SXM column: FP32 67, TF32 989*, BF16 1,979*.
@@ -114,7 +118,10 @@ def builtin_peak(device, dtype: str, precision: str | None = None) -> tuple[floa
     kind = device.device_kind
     gpu = next((peak for pattern, peak in GPU_PEAKS if pattern.search(kind)), None)
     if gpu is None or device.platform != "gpu":
-        return None, f"no built-in peak for {device.platform} device {kind!r}: set hardware.peak_tflops (dense {dtype} TFLOP/s per device) for MFU"
+        return (
+            None,
+            f"no built-in peak for {device.platform} device {kind!r}: set hardware.peak_tflops (dense {dtype} TFLOP/s per device) for MFU",
+        )
     if dtype == "bfloat16":  # the precision setting applies to 32-bit inputs only
         column, passes, label, setting = "bfloat16", 1, "bf16 tensor-core", ""
     elif dtype == "float32":
@@ -174,7 +181,11 @@ def _measured(device_ids: tuple[int, ...]) -> float:
 
 
 def rates(
-    flops_per_example: float | None, tokens_per_example: int, batch_size: int, step_time_s: float, num_devices: int,
+    flops_per_example: float | None,
+    tokens_per_example: int,
+    batch_size: int,
+    step_time_s: float,
+    num_devices: int,
     peak: float | None,
 ) -> dict[str, float | None]:
     """Throughput of one step of `batch_size` examples taking `step_time_s` (MFU None without a

@@ -26,11 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpar.train", description="Train a model on a device mesh.")
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
     parser.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="continue from the newest checkpoint, or start at step 0 if none is saved yet (checkpoint.resume=auto)",
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="section.key=value",
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
         help="config overrides, applied in order (a key given twice takes its last value)",
     )
     args = parser.parse_intermixed_args(argv)

@@ -37,7 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--sizes-mib", default="1,4,16,64", help="global batch sizes in MiB")
     p.add_argument("--meshes", default="2,4,8", help="data-axis sizes; capped at the device count")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--host-memory", default="aligned,unaligned,pinned", help="comma-separated: aligned, unaligned, pinned")
+    p.add_argument(
+        "--host-memory", default="aligned,unaligned,pinned", help="comma-separated: aligned, unaligned, pinned"
+    )
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when there is no accelerator")
     p.add_argument("--out", default="runs/bench_feed.json")
     return p.parse_args(argv)
@@ -94,7 +96,9 @@ def main(argv=None) -> int:
     memories = [m.strip() for m in args.host_memory.split(",")]
     if not set(memories) <= {"aligned", "unaligned", "pinned"}:
         raise SystemExit(f"--host-memory: {args.host_memory!r}: choose from aligned, unaligned, pinned")
-    print(f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); meshes {meshes}; host memory {memories}")
+    print(
+        f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); meshes {meshes}; host memory {memories}"
+    )
     rows = []
     for mib in (float(s) for s in args.sizes_mib.split(",")):
         n = max(int(mib * 64), 8)
@@ -113,16 +117,23 @@ def main(argv=None) -> int:
             mesh = jax.make_mesh((size,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:size])
             sharding = NamedSharding(mesh, P("data", None))
             per_device = (n // size) * size
-            direct, routed = DirectFeeder({"inputs": sharding}, per_device), RoutedFeeder({"inputs": sharding}, per_device)
+            direct, routed = (
+                DirectFeeder({"inputs": sharding}, per_device),
+                RoutedFeeder({"inputs": sharding}, per_device),
+            )
             for memory in memories:
                 row = {"batch_mib": nbytes / 2**20, "mesh": size, "host_memory": memory, "np_copy_s": copy_s}
                 batch = {"inputs": (unaligned if memory == "unaligned" else host)[:per_device]}
                 if memory == "pinned":
-                    pinned = jax.device_put(batch["inputs"], NamedSharding(mesh, P("data", None), memory_kind="pinned_host"))
+                    pinned = jax.device_put(
+                        batch["inputs"], NamedSharding(mesh, P("data", None), memory_kind="pinned_host")
+                    )
                     row["direct_s"] = timed(lambda: jax.device_put(pinned, sharding), args.repeats)
                     relay = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="device")
                     on_relay = jax.device_put(batch["inputs"], relay.with_memory_kind("pinned_host"))
-                    row["routed_s"] = timed(lambda: jax.device_put(jax.device_put(on_relay, relay), sharding), args.repeats)
+                    row["routed_s"] = timed(
+                        lambda: jax.device_put(jax.device_put(on_relay, relay), sharding), args.repeats
+                    )
                     row["aliased"] = False
                 else:
                     row["direct_s"] = timed(lambda: direct.place(batch)[0], args.repeats)
@@ -137,8 +148,8 @@ def main(argv=None) -> int:
     print(header)
     for r in rows:
         print(
-            f"{r['batch_mib']:6.1f} {r['mesh']:4d} {r['host_memory']:>9} {r['np_copy_s']*1e3:10.3f} {r['direct_s']*1e3:9.3f} "
-            f"{r['routed_s']*1e3:9.3f} {r['direct_gib_s']:12.2f} {r['direct_over_copy']:11.2f} {r['routed_over_direct']:13.2f} "
+            f"{r['batch_mib']:6.1f} {r['mesh']:4d} {r['host_memory']:>9} {r['np_copy_s'] * 1e3:10.3f} {r['direct_s'] * 1e3:9.3f} "
+            f"{r['routed_s'] * 1e3:9.3f} {r['direct_gib_s']:12.2f} {r['direct_over_copy']:11.2f} {r['routed_over_direct']:13.2f} "
             f"{r['loader_batches_per_s']:10.1f} {r['aliased']}"
         )
     out = pathlib.Path(args.out)

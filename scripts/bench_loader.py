@@ -109,7 +109,9 @@ def parse_args(argv=None):
         "--wait-quiet", type=float, default=0.0,
         help="before each source, wait up to this many seconds for other processes to leave the cores idle",
     )  # fmt: skip
-    p.add_argument("--corpus", default="", help="a prepared byte corpus to reuse (default: prepare one in a temp folder)")
+    p.add_argument(
+        "--corpus", default="", help="a prepared byte corpus to reuse (default: prepare one in a temp folder)"
+    )
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.window_s = args.window_s or (0.6 if args.quick else 1.5)
@@ -399,7 +401,7 @@ def control(loader: HostLoader, rounds_n: int, window_s: float) -> dict:
         one, two, ratios = [], [], []
         meter = CpuMeter([p.pid for p in procs])
         for r in range(rounds_n):
-            for n in ((1, 2) if r % 2 == 0 else (2, 1)):
+            for n in (1, 2) if r % 2 == 0 else (2, 1):
                 meter.start()
                 for c in conns[:n]:
                     c.send(window_s)
@@ -465,7 +467,11 @@ def consumption(rows: list, quickstart_step_s: float | None) -> list:
         batch, length = TOKEN_SHAPES[name]
         nbytes = batch * (length + 1)  # byte tokens (uint8), windows of length + 1
         need = 1.0 / step_s if step_s else None
-        have = {r["workers"]: r["batches_per_s"] for r in rows if r["source"] == "tokens" and r["shape"].startswith(name + " ")}
+        have = {
+            r["workers"]: r["batches_per_s"]
+            for r in rows
+            if r["source"] == "tokens" and r["shape"].startswith(name + " ")
+        }
         out.append(
             {
                 "config": name,
@@ -519,7 +525,9 @@ def scaling_diagnosis(jpeg: dict, ctrl: dict | None) -> str:
     if ctrl:
         parts.append(f"2 independent processes (no hand-over) gain {ctrl['two_over_one']:.2f}x over 1 here, now")
     if two and two["other_cores"] is not None:
-        parts.append(f"other processes used {two['other_cores']:.2f} of {os.cpu_count()} cores during the 2-worker windows")
+        parts.append(
+            f"other processes used {two['other_cores']:.2f} of {os.cpu_count()} cores during the 2-worker windows"
+        )
     if one and zero and one["workers_cpu_ms_per_batch"] is not None:
         per = zero["main_cpu_ms_per_batch"]
         parts.append(
@@ -551,7 +559,9 @@ def main(argv=None) -> int:
         if not corpus:
             started = time.perf_counter()
             corpus = prepare_corpus(os.path.join(tmp, "stdlib-bytes"))
-            print(f"corpus: the standard library's .py files as bytes, prepared in {time.perf_counter() - started:.1f} s")
+            print(
+                f"corpus: the standard library's .py files as bytes, prepared in {time.perf_counter() - started:.1f} s"
+            )
         started = time.perf_counter()
         written = write_jpeg_records(os.path.join(tmp, "images.arr"), args.images, size=IMAGE_SIZE, seed=0)
         print(
@@ -628,7 +638,9 @@ def main(argv=None) -> int:
     if scaling is None:
         missed.append("jpeg scaling 1 -> 2 workers: not measured (--workers lacks 1 or 2)")
     elif scaling < SCALING_TARGET:
-        missed.append(f"jpeg scaling 1 -> 2 workers: {scaling:.3f}x < {SCALING_TARGET}x: {scaling_diagnosis(jpeg, ctrl)}")
+        missed.append(
+            f"jpeg scaling 1 -> 2 workers: {scaling:.3f}x < {SCALING_TARGET}x: {scaling_diagnosis(jpeg, ctrl)}"
+        )
     stall = with_workers["stall_fraction"] if with_workers else None
     if not args.skip_train:
         if stall is None:
@@ -644,7 +656,12 @@ def main(argv=None) -> int:
     record = {
         "machine": {**info, "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "settings": {k: getattr(args, k) for k in ("quick", "workers", "rounds", "window_s", "images", "image_batch")},
-        "images": {"count": written.count, "size": list(IMAGE_SIZE), "crop": CROP, "jpeg_bytes_mean": written.jpeg_bytes_mean},
+        "images": {
+            "count": written.count,
+            "size": list(IMAGE_SIZE),
+            "crop": CROP,
+            "jpeg_bytes_mean": written.jpeg_bytes_mean,
+        },
         "rows": rows,
         "control": ctrl,
         "train": train,
@@ -652,7 +669,11 @@ def main(argv=None) -> int:
         "extrapolation": extra,
         "assumptions": {"gpu_lm_tokens_per_s": GPU_LM_TOKENS_PER_S, "host_cores": HOST_CORES, "pcie_gb_s": PCIE_GB_S},
         "targets": {
-            "jpeg_scaling_1_to_2": {"value": scaling, "target": SCALING_TARGET, "diagnosis": scaling_diagnosis(jpeg, ctrl)},
+            "jpeg_scaling_1_to_2": {
+                "value": scaling,
+                "target": SCALING_TARGET,
+                "diagnosis": scaling_diagnosis(jpeg, ctrl),
+            },
             "quickstart_stall_2_workers": {"value": stall, "target": STALL_TARGET, "checked": not args.skip_train},
         },
         "missed": missed,

@@ -312,8 +312,10 @@ def report(results: list[dict]) -> None:
     console.print(table)
     for note in sorted({n for r in results for n in r.get("notes", [])}):
         console.print(f"note: {note}")
-    console.print("names: moved to host memory by the traced program; * = the compiled HLO holds a host-memory "
-                  "array of that value's size (by size only: equal shapes cannot be told apart)")
+    console.print(
+        "names: moved to host memory by the traced program; * = the compiled HLO holds a host-memory "
+        "array of that value's size (by size only: equal shapes cannot be told apart)"
+    )
 
 
 def main(argv=None) -> int:

@@ -36,8 +36,13 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="rounds; each runs one block per feeder")
     p.add_argument("--block", type=int, default=20, help="steps per feeder per round")
     p.add_argument("--warmup", type=int, default=5, help="steps per feeder before timing")
-    p.add_argument("--feeder", action="append", default=[], metavar="LABEL=MODULE:CLASS",
-                   help="another Feeder class to time in the same rounds (repeatable)")
+    p.add_argument(
+        "--feeder",
+        action="append",
+        default=[],
+        metavar="LABEL=MODULE:CLASS",
+        help="another Feeder class to time in the same rounds (repeatable)",
+    )
     p.add_argument("--out", default="runs/bench_routed.json")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     return p.parse_args(argv)
@@ -100,24 +105,42 @@ def main(argv=None) -> int:
     for label in labels:
         ratios = [a / b for a, b in zip(per_round[label], per_round["direct"])]
         lo, hi = interval(ratios)
-        rows.append({
-            "feeder": label,
-            "median_step_ms": statistics.median(steps[label]) * 1e3,
-            "median_place_ms": statistics.median(places[label]) * 1e3,
-            "ratio_vs_direct": statistics.median(ratios),
-            "ratio_95": [lo, hi],
-        })
-    print(f"config {args.config} {' '.join(args.overrides)}; mesh {dict(exp.mesh.shape)}; "
-          f"{args.rounds} rounds x {args.block} steps per feeder, alternating")
+        rows.append(
+            {
+                "feeder": label,
+                "median_step_ms": statistics.median(steps[label]) * 1e3,
+                "median_place_ms": statistics.median(places[label]) * 1e3,
+                "ratio_vs_direct": statistics.median(ratios),
+                "ratio_95": [lo, hi],
+            }
+        )
+    print(
+        f"config {args.config} {' '.join(args.overrides)}; mesh {dict(exp.mesh.shape)}; "
+        f"{args.rounds} rounds x {args.block} steps per feeder, alternating"
+    )
     print(f"{'feeder':>16} {'step ms':>9} {'place ms':>9} {'step / direct':>14} {'95% interval':>16}")
     for row in rows:
         lo, hi = row["ratio_95"]
-        print(f"{row['feeder']:>16} {row['median_step_ms']:9.3f} {row['median_place_ms']:9.3f} "
-              f"{row['ratio_vs_direct']:14.3f} {f'[{lo:.3f}, {hi:.3f}]':>16}")
+        print(
+            f"{row['feeder']:>16} {row['median_step_ms']:9.3f} {row['median_place_ms']:9.3f} "
+            f"{row['ratio_vs_direct']:14.3f} {f'[{lo:.3f}, {hi:.3f}]':>16}"
+        )
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": args.overrides, "mesh": dict(exp.mesh.shape),
-                               "rounds": args.rounds, "block": args.block, "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "overrides": args.overrides,
+                "mesh": dict(exp.mesh.shape),
+                "rounds": args.rounds,
+                "block": args.block,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0
 
 

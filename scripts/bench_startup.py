@@ -43,7 +43,17 @@ def parse_args(argv=None):
 
 
 def start(config: str, cache: pathlib.Path, workdir: pathlib.Path, overrides, env) -> dict:
-    cmd = [sys.executable, "-m", "meshpar.train", "--config", config, *SHORT, *overrides, f"compile_cache.dir={cache}", f"workdir={workdir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshpar.train",
+        "--config",
+        config,
+        *SHORT,
+        *overrides,
+        f"compile_cache.dir={cache}",
+        f"workdir={workdir}",
+    ]
     metrics = workdir / "metrics.jsonl"
     launched = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,7 +75,11 @@ def start(config: str, cache: pathlib.Path, workdir: pathlib.Path, overrides, en
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    }
     pairs = []
     with tempfile.TemporaryDirectory(prefix="bench_startup-") as tmp:
         for i in range(args.pairs):
@@ -73,18 +87,35 @@ def main(argv=None) -> int:
             first = start(args.config, cache, pathlib.Path(tmp) / f"run{i}a", args.overrides, env)
             entries = sorted(p.name for p in cache.iterdir())
             second = start(args.config, cache, pathlib.Path(tmp) / f"run{i}b", args.overrides, env)
-            pairs.append({"first": first, "second": second, "cache_entries": len(entries), "cached_programs": sorted({n.rsplit("-", 2)[0] for n in entries})})
+            pairs.append(
+                {
+                    "first": first,
+                    "second": second,
+                    "cache_entries": len(entries),
+                    "cached_programs": sorted({n.rsplit("-", 2)[0] for n in entries}),
+                }
+            )
     print(f"{'start':<8} {'to first step s':>16} {'first step s':>13} {'process s':>10}")
     for i, p in enumerate(pairs):
         for which in ("first", "second"):
             r = p[which]
-            print(f"{which:<8} {r['time_to_first_step_s']:>16.2f} {r['first_step_time_s']:>13.2f} {r['process_s']:>10.2f}")
-        print(f"pair {i}: {p['cache_entries']} cache entries after the first start; second/first time to first step "
-              f"{p['second']['time_to_first_step_s'] / p['first']['time_to_first_step_s']:.2f}")
+            print(
+                f"{which:<8} {r['time_to_first_step_s']:>16.2f} {r['first_step_time_s']:>13.2f} {r['process_s']:>10.2f}"
+            )
+        print(
+            f"pair {i}: {p['cache_entries']} cache entries after the first start; second/first time to first step "
+            f"{p['second']['time_to_first_step_s'] / p['first']['time_to_first_step_s']:.2f}"
+        )
     ratio = statistics.median(p["second"]["time_to_first_step_s"] / p["first"]["time_to_first_step_s"] for p in pairs)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": args.overrides, "pairs": pairs, "median_second_over_first": ratio}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {"config": args.config, "overrides": args.overrides, "pairs": pairs, "median_second_over_first": ratio},
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"median second/first: {ratio:.2f}; wrote {out}")
     return 0
 

@@ -100,7 +100,12 @@ def hand_step(exp):
         return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     replicated = NamedSharding(exp.mesh, PartitionSpec())
-    jitted = jax.jit(step, in_shardings=(plan.shardings, dict(exp.inputs.shardings)), out_shardings=(plan.shardings, replicated), donate_argnums=0)
+    jitted = jax.jit(
+        step,
+        in_shardings=(plan.shardings, dict(exp.inputs.shardings)),
+        out_shardings=(plan.shardings, replicated),
+        donate_argnums=0,
+    )
     return jitted, plan.materialize(exp.layout, exp.mesh)
 
 
@@ -149,8 +154,14 @@ def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
     from meshpar import config, experiment, loop
 
     arms = [a.strip() for a in args.arms.split(",")]
-    overrides = ["train.progress=false", "train.eval_every=0", "checkpoint.every=0", "train.steps=1000000",
-                 f"workdir={workdir}", *args.overrides]
+    overrides = [
+        "train.progress=false",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "train.steps=1000000",
+        f"workdir={workdir}",
+        *args.overrides,
+    ]
     cfg = config.load(config_path, overrides)
     exp = experiment.build(cfg)
     step, hand_state = hand_step(exp)
@@ -182,7 +193,11 @@ def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
     estimate = min(run_meshpar(2 * log_every), run_hand(2 * log_every))
     # Timed from the 3rd dispatch to the last: k * log_every steps holding exactly k logged rows.
     n = log_every * max(1, round(args.block_s / (estimate * log_every))) + SKIP + 1
-    run = {"meshpar": lambda: run_meshpar(n), "meshpar_pipeline": lambda: run_meshpar(n, placed=False), "hand": lambda: run_hand(n)}
+    run = {
+        "meshpar": lambda: run_meshpar(n),
+        "meshpar_pipeline": lambda: run_meshpar(n, placed=False),
+        "hand": lambda: run_hand(n),
+    }
     periods = {a: [] for a in arms}
     for pair in range(args.pairs):
         for arm in arms if pair % 2 == 0 else arms[::-1]:
@@ -231,7 +246,13 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    out.write_text(json.dumps({"platform": device.platform, "devices": jax.device_count(), "jax": jax.__version__, "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {"platform": device.platform, "devices": jax.device_count(), "jax": jax.__version__, "results": results},
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

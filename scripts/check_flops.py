@@ -40,7 +40,12 @@ def main(argv=None) -> int:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla = float(cost["flops"])
     model = exp.flops_per_example * cfg.train.batch_size
-    result = {"config": args.config, "model_flops_per_step": model, "xla_flops_per_step": xla, "xla_over_model": xla / model}
+    result = {
+        "config": args.config,
+        "model_flops_per_step": model,
+        "xla_flops_per_step": xla,
+        "xla_over_model": xla / model,
+    }
     print(json.dumps(result, indent=2))
     return 0
 

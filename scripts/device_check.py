@@ -192,7 +192,14 @@ def info(args) -> dict:
 
 def feed(args, device: dict) -> dict:
     n = device["devices"]
-    bench = [sys.executable, "scripts/bench_feed.py", "--host-memory", "aligned,pinned", "--out", str(args.work / "bench_feed.json")]
+    bench = [
+        sys.executable,
+        "scripts/bench_feed.py",
+        "--host-memory",
+        "aligned,pinned",
+        "--out",
+        str(args.work / "bench_feed.json"),
+    ]
     if args.dry_run:
         bench += ["--sizes-mib", "1,4", "--meshes", f"1,{n}", "--repeats", "3", "--cpu-devices", str(n)]
     else:
@@ -215,7 +222,9 @@ def feed(args, device: dict) -> dict:
         row["pinned_over_pageable"] = base / r["direct_s"] if r["host_memory"] == "pinned" and base else None
         rows.append(row)
     best = max((r for r in rows if r["mesh"] == 1), key=lambda r: r["direct_gb_s"])
-    note = f"best one-device host→device {best['direct_gb_s']:.2f} GB/s ({best['host_memory']}, {best['batch_mib']:g} MiB)"
+    note = (
+        f"best one-device host→device {best['direct_gb_s']:.2f} GB/s ({best['host_memory']}, {best['batch_mib']:g} MiB)"
+    )
     if nominal:
         note += f", {best['ratio_to_nominal']:.0%} of the link's nominal {nominal:g} GB/s"
     else:
@@ -244,7 +253,16 @@ def lm_overrides(args, device: dict) -> list[str]:
 
 def plan(args, device: dict) -> dict:
     topo = device.get("topology")
-    cmd = [sys.executable, "-m", "meshpar.plan", "--config", GPU_LM, *lm_overrides(args, device), "--json", str(args.work / "plan.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshpar.plan",
+        "--config",
+        GPU_LM,
+        *lm_overrides(args, device),
+        "--json",
+        str(args.work / "plan.json"),
+    ]
     if topo:
         cmd += ["--topology", topo]
     rc, text = run(cmd, args.seconds, args.log)
@@ -270,7 +288,7 @@ def lm(args, device: dict) -> dict:
     for name in ("summary.json", "metrics.jsonl"):  # the run's own record, beside the section's
         shutil.copy(workdir / name, args.results / f"b_gpu_lm_{name}")
     planned = read_json(args.results / "plan.json") or {}
-    needed = ((planned.get("plan") or {}).get("needed_bytes"))
+    needed = (planned.get("plan") or {}).get("needed_bytes")
     stats = summary.get("input_memory", {}).get("memory_stats_peak_bytes_in_use")
     peak = max(stats.values()) if stats else None
     out = {
@@ -282,10 +300,16 @@ def lm(args, device: dict) -> dict:
         "memory_stats_peak_bytes": peak, "memory_source": "memory_stats() peak_bytes_in_use" if stats else None,
         "plan_needed_bytes": needed, "peak_over_plan": peak / needed if peak and needed else None,
     }  # fmt: skip
-    mfu = "no MFU (no peak for this device)" if out["mfu"] is None else f"MFU {out['mfu']:.1%} of {out['peak_tflops_per_device']:.4g} TFLOP/s"
+    mfu = (
+        "no MFU (no peak for this device)"
+        if out["mfu"] is None
+        else f"MFU {out['mfu']:.1%} of {out['peak_tflops_per_device']:.4g} TFLOP/s"
+    )
     memory = (f"memory_stats peak {peak / 2**30:.2f} GiB, plan {needed / 2**30:.2f} GiB" if peak and needed
               else "no memory_stats() on this backend (CPU): peak not measured")  # fmt: skip
-    out["note"] = f"median step {out['median_step_time_s'] * 1e3:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s, {mfu}; {memory}"
+    out["note"] = (
+        f"median step {out['median_step_time_s'] * 1e3:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s, {mfu}; {memory}"
+    )
     return out
 
 
@@ -337,7 +361,14 @@ def offload(args, device: dict) -> dict:
     if not script.is_file():
         return {"status": "skipped", "note": "skipped: scripts/bench_offload.py is not in this tree"}
     outdir = args.work / "offload"
-    cmd = [sys.executable, str(script.relative_to(ROOT)), "--steps", str(OFFLOAD_STEPS[args.dry_run]), "--out", str(outdir)]
+    cmd = [
+        sys.executable,
+        str(script.relative_to(ROOT)),
+        "--steps",
+        str(OFFLOAD_STEPS[args.dry_run]),
+        "--out",
+        str(outdir),
+    ]
     if args.dry_run:
         cmd.append("--dry-run")  # its own shrinking: a tiny model on the CPU backend
     else:
@@ -403,7 +434,9 @@ def out_of_core_sweep(argv: list[str]) -> int:
               "oversubscription": out["oversubscription"], "factor": UM_FACTOR, "target_bytes": int(target_bytes),
               "batch_size": batch, "none_device_bytes": dict(sorted(needs.items()))}  # fmt: skip
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"batch {batch}: no offload needs {needs[batch] / out['device_bytes']:.3f} x the device ({len(needs)} sizes priced)")
+    print(
+        f"batch {batch}: no offload needs {needs[batch] / out['device_bytes']:.3f} x the device ({len(needs)} sizes priced)"
+    )
     return 0
 
 
@@ -473,7 +506,11 @@ def train_out_of_core(args, name: str, row: dict, overrides: list[str], seconds:
         out.update(failure(rc, seconds, text, f"python -m meshpar.train ({row['method']})"))
         return out
     shutil.copy(workdir / "summary.json", args.results / f"d_unified_memory_{name}_summary.json")
-    peak = "no memory_stats() peak" if stats is None else f"memory_stats peak {out['memory_stats_peak_bytes'] / 2**30:.2f} GiB"
+    peak = (
+        "no memory_stats() peak"
+        if stats is None
+        else f"memory_stats peak {out['memory_stats_peak_bytes'] / 2**30:.2f} GiB"
+    )
     out["note"] = f"median step {out['median_step_time_s'] * 1e3:.1f} ms over {len(steady)} steps, {peak}"
     return out
 
@@ -482,15 +519,30 @@ def unified(args, device: dict) -> dict:
     deadline = time.monotonic() + args.seconds
     cuda = is_cuda(device)
     # One GPU (the first one visible where there are more): a mesh on an accelerator uses every device.
-    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]} if cuda and device["devices"] > 1 else None
-    topo = (device.get("topology") if device["devices"] == 1 else pick_topology("gpu", device["device_kind"], 1)) if cuda else UM_TOPOLOGY
+    env = (
+        {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+        if cuda and device["devices"] > 1
+        else None
+    )
+    topo = (
+        (device.get("topology") if device["devices"] == 1 else pick_topology("gpu", device["device_kind"], 1))
+        if cuda
+        else UM_TOPOLOGY
+    )
     if not topo:
-        return {"status": "skipped", "note": f"skipped: no topology for one {device['device_kind']}: no plan to pick the batch size"}
+        return {
+            "status": "skipped",
+            "note": f"skipped: no topology for one {device['device_kind']}: no plan to pick the batch size",
+        }
     # remat none: activation offload (swapping the residuals, the study's swap) needs it, and it
     # is what frees a step of 1.3x the device; unified memory pages the same residuals.
     base = ["mesh=data:1", "model.remat=none", *(DRY_OVERRIDES if args.dry_run else [])]
     # The runs' steps, so that the planner's compile of the chosen batch size is the unified-memory run's.
-    planned_for = [*base, f"train.steps={UM_STEPS}", *([f"hardware.memory_gib={DRY_UM_DEVICE_GIB}"] if args.dry_run else [])]
+    planned_for = [
+        *base,
+        f"train.steps={UM_STEPS}",
+        *([f"hardware.memory_gib={DRY_UM_DEVICE_GIB}"] if args.dry_run else []),
+    ]
     # 1. The batch size, by the planner's memory model over a geometric range (nothing compiled).
     sweep = [sys.executable, str(pathlib.Path(__file__).resolve()), "out-of-core-sweep", "--topology", topo,
              "--json", str(args.work / "out_of_core_sweep.json"), *planned_for]  # fmt: skip
@@ -527,7 +579,11 @@ def unified(args, device: dict) -> dict:
     }  # fmt: skip
     plan_note = (f"batch {batch}: no offload needs {out['planner']['none_over_device']:.2f} x the planned device's "
                  f"{device_bytes / 2**30:.3g} GiB on {topo} (the plan's figure)")  # fmt: skip
-    overrides = [*(o for o in base if not o.startswith("train.batch_size=")), f"train.steps={UM_STEPS}", f"train.batch_size={batch}"]
+    overrides = [
+        *(o for o in base if not o.startswith("train.batch_size=")),
+        f"train.steps={UM_STEPS}",
+        f"train.batch_size={batch}",
+    ]
     if not cuda:
         for r in out["runs"]:
             r.update(status="not run (no CUDA GPU)", note="")
@@ -537,18 +593,27 @@ def unified(args, device: dict) -> dict:
                   "checkpoint.every=0", f"workdir={args.work / 'unified_refused'}"]  # fmt: skip
         seconds = max(min(deadline - time.monotonic(), 60.0), 1.0)
         rc, text = run(refuse, seconds, args.log)
-        line = next((x.strip() for x in text.splitlines() if x.startswith("config error: offload.unified_memory")), last_line(text))
+        line = next(
+            (x.strip() for x in text.splitlines() if x.startswith("config error: offload.unified_memory")),
+            last_line(text),
+        )
         refused = rc == 2 and line.startswith("config error: offload.unified_memory")
         out["refusal"] = {"command": " ".join(["python", *refuse[1:]]), "rc": rc, "line": line, "refused": refused}
         if not refused:
-            return {**out, "status": "failed", "note": f"unified memory on platform {device['platform']} was not refused: exit {rc}: {line}"}
+            return {
+                **out,
+                "status": "failed",
+                "note": f"unified memory on platform {device['platform']} was not refused: exit {rc}: {line}",
+            }
         return {**out, "status": "skipped", "note": f"skipped: unified memory needs a CUDA GPU (platform {device['platform']})",
                 "plan_note": plan_note}  # fmt: skip
     notes = [plan_note]
     for r in out["runs"]:
         if r["name"] == "none":
             r.update(status="not run", note=f"predicted to need {out['planner']['none_over_device']:.2f} x the device")
-        elif r["name"] == "swap" and not r["predicted"]["fits"]:  # a certain out-of-memory: its compile's minute goes to unified memory
+        elif (
+            r["name"] == "swap" and not r["predicted"]["fits"]
+        ):  # a certain out-of-memory: its compile's minute goes to unified memory
             usable = data.get("usable_bytes") or device_bytes
             r.update(status="not run", note=f"no swap setting fits at batch {batch}: the one needing least, {r['method']}, "
                                             f"needs {r['predicted']['device_bytes'] / usable:.2f} x the usable device")  # fmt: skip
@@ -562,7 +627,11 @@ def unified(args, device: dict) -> dict:
         else:
             r.update(train_out_of_core(args, r["name"], r, overrides, share, env))
         notes.append(f"{r['method']}: {r['status']}{': ' + r['note'] if r.get('note') else ''}")
-        write(args.results, "d_unified_memory", {**out, "section": "d_unified_memory", "status": "running", "note": "; ".join(notes)})
+        write(
+            args.results,
+            "d_unified_memory",
+            {**out, "section": "d_unified_memory", "status": "running", "note": "; ".join(notes)},
+        )
     # A run the plan says does not fit may fail (the pre-flight refuses it): only the others decide the status.
     bad = [r for r in measured if r["status"] != "ok" and r["predicted"]["fits"]]
     if bad:

@@ -74,7 +74,9 @@ def predictions(sections: dict) -> dict:
     for r in sections["a_feed"].get("rows", []):
         # bench_feed places one float32 field split over the mesh; pinned host buffers are never aliased.
         for mode in ("direct", "routed"):
-            predicted = feed_time.placement_time(topo, mode, r["batch_bytes"], r["mesh"], r["mesh"], 1, bool(r["aliased"]))
+            predicted = feed_time.placement_time(
+                topo, mode, r["batch_bytes"], r["mesh"], r["mesh"], 1, bool(r["aliased"])
+            )
             add("a", f"{mode} placement, {r['batch_mib']:g} MiB, mesh {r['mesh']}, {r['host_memory']}",
                 r[f"{mode}_s"], predicted, "s")  # fmt: skip
     planned = sections["plan"].get("plan") or {}
@@ -83,7 +85,13 @@ def predictions(sections: dict) -> dict:
     if lm.get("status") == "ok":
         add("b", "gpu_lm step time (median)", lm["median_step_time_s"], step.get("total_s"), "s")
         tokens = lm["step_tokens_per_s"] * lm["median_step_time_s"]  # tokens per step
-        add("b", "gpu_lm tokens/s (per step)", lm["step_tokens_per_s"], tokens / step["total_s"] if step.get("total_s") else None, "1/s")
+        add(
+            "b",
+            "gpu_lm tokens/s (per step)",
+            lm["step_tokens_per_s"],
+            tokens / step["total_s"] if step.get("total_s") else None,
+            "1/s",
+        )
         add("b", "gpu_lm peak memory per device", lm.get("memory_stats_peak_bytes"), planned.get("needed_bytes"), "B")
     from meshpar import config as config_lib
 
@@ -109,7 +117,13 @@ def predictions(sections: dict) -> dict:
         if r.get("median_step_time_s") is not None:
             add("d", f"out of core: {what}: step time (median)", r["median_step_time_s"], r["predicted"]["step_s"], "s")
         if r.get("memory_stats_peak_bytes") is not None:
-            add("d", f"out of core: {what}: peak memory ({_peak_versus(r)})", r["memory_stats_peak_bytes"], _peak_predicted(r), "B")
+            add(
+                "d",
+                f"out of core: {what}: peak memory ({_peak_versus(r)})",
+                r["memory_stats_peak_bytes"],
+                _peak_predicted(r),
+                "B",
+            )
     known = [r for r in rows if r["measured_over_predicted"] is not None]
     note = f"{len(known)} measurements beside their prediction on {topo.name}"
     return {**out, "status": "ok", "note": note}
@@ -143,7 +157,9 @@ def _fmt(value, unit: str = "") -> str:
     if unit == "s":
         return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
     if unit == "B":
-        scale, name = next((s, n) for s, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")) if abs(value) >= s or s == 1)
+        scale, name = next(
+            (s, n) for s, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")) if abs(value) >= s or s == 1
+        )
         return f"{value / scale:.2f} {name}"
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
@@ -244,12 +260,16 @@ def _kernel_costs(section: dict) -> list[str]:
     lines = ["## (f) kernel costs: measured beside the topology's figures", "", section.get("note", ""), ""]
     rows = [(f"GEMM {'x'.join(map(str, r['shape']))} ({r['tflops']:.0f} TFLOP/s)", r) for r in found.get("gemm", [])]
     rows += [("a kernel's fixed cost", found["launch"])] if found.get("launch") else []
-    rows += [(f"memory pass ({found['bandwidth']['gbps']:.0f} GB/s)", found["bandwidth"])] if found.get("bandwidth") else []
+    rows += (
+        [(f"memory pass ({found['bandwidth']['gbps']:.0f} GB/s)", found["bandwidth"])] if found.get("bandwidth") else []
+    )
     rows += [(f"all-reduce {r['bytes'] >> 20} MiB x {r['devices']}", r) for r in found.get("allreduce", [])]
     if rows:
         lines += ["| kernel | measured | predicted | measured / predicted |", "|---|---|---|---|"]
         for name, r in rows:
-            lines.append(f"| {name} | {_fmt(r['measured_s'], 's')} | {_fmt(r.get('predicted_s'), 's')} | {_fmt(r.get('ratio'))} |")
+            lines.append(
+                f"| {name} | {_fmt(r['measured_s'], 's')} | {_fmt(r.get('predicted_s'), 's')} | {_fmt(r.get('ratio'))} |"
+            )
         lines.append("")
     return lines
 
@@ -287,7 +307,10 @@ def _unified_memory(um: dict) -> list[str]:
     refusal = um.get("refusal")
     if refusal:
         said = "refused it" if refusal["refused"] else "did NOT refuse it"
-        lines += [f"On platform {um.get('platform')}, `meshpar.train` {said}: exit {refusal['rc']}, `{refusal['line']}`", ""]
+        lines += [
+            f"On platform {um.get('platform')}, `meshpar.train` {said}: exit {refusal['rc']}, `{refusal['line']}`",
+            "",
+        ]
     return lines
 
 
@@ -301,7 +324,12 @@ def main(argv=None) -> int:
     try:
         pred = predictions(sections)
     except Exception as e:  # a prediction's bug must not cost the summary of the measurements
-        pred = {"section": "e_predictions", "status": "failed", "note": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "rows": []}
+        pred = {
+            "section": "e_predictions",
+            "status": "failed",
+            "note": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
+            "rows": [],
+        }
     pred["wall_s"] = round(time.monotonic() - start, 2)
     (args.results / "e_predictions.json").write_text(json.dumps(pred, indent=2) + "\n")
     sections["e_predictions"] = pred

@@ -118,22 +118,36 @@ def still_running(pids: list[int], wait: float = 10.0) -> list[int]:
 
 def command(config: str | Path, workdir: str | Path, overrides=(), resume: bool = False) -> list[str]:
     return [
-        sys.executable, "-m", "meshpar.train", "--config", str(config),
-        *overrides, f"workdir={workdir}", *(["--resume"] if resume else []),
+        sys.executable,
+        "-m",
+        "meshpar.train",
+        "--config",
+        str(config),
+        *overrides,
+        f"workdir={workdir}",
+        *(["--resume"] if resume else []),
     ]
 
 
 def launch(config, workdir, overrides=(), resume=True, env=None) -> subprocess.Popen:
     return subprocess.Popen(
-        command(config, workdir, overrides, resume), cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command(config, workdir, overrides, resume),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 def run_to_end(config, workdir, overrides=(), resume=False, env=None, timeout=900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(config, workdir, overrides, resume), cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=timeout,
+        command(config, workdir, overrides, resume),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -158,8 +172,19 @@ def wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 6
     raise TimeoutError(f"no step {step} in {path} after {timeout} s")
 
 
-def interrupt(config, workdir, overrides=(), *, target: int | None, sig=signal.SIGKILL, delay: float = 0.0,
-              within: float | None = None, resume: bool = True, env=None, timeout: float = 600) -> dict:
+def interrupt(
+    config,
+    workdir,
+    overrides=(),
+    *,
+    target: int | None,
+    sig=signal.SIGKILL,
+    delay: float = 0.0,
+    within: float | None = None,
+    resume: bool = True,
+    env=None,
+    timeout: float = 600,
+) -> dict:
     """Start the run and send `sig` `delay` s after step `target` is logged, or `within` s
     after launch if that comes first (None: no such limit); wait for the run to end.
     Returns what happened."""
@@ -257,7 +282,9 @@ def compare_states(a: dict, b: dict) -> tuple[bool, int, list[str]]:
 # The demonstration.
 
 
-def choose_kill(rng: random.Random, last: int, steps: int, every: int, cycles_left: int) -> tuple[str, int, float, float | None]:
+def choose_kill(
+    rng: random.Random, last: int, steps: int, every: int, cycles_left: int
+) -> tuple[str, int, float, float | None]:
     """(mode, target step, delay s after it, limit s after launch) for the next kill. Targets
     advance from `last` (the newest logged step) by about a share of what remains, so every
     cycle has room; a "startup" kill comes at a random time, or at the target if that is sooner."""
@@ -271,7 +298,9 @@ def choose_kill(rng: random.Random, last: int, steps: int, every: int, cycles_le
     return mode, target, rng.uniform(0.0, 0.3) if mode == "delay" else 0.0, within
 
 
-def kill_cycles(config, workdir, overrides=(), *, cycles: int, seed: int, steps: int, every: int, env=None, log=print) -> list[dict]:
+def kill_cycles(
+    config, workdir, overrides=(), *, cycles: int, seed: int, steps: int, every: int, env=None, log=print
+) -> list[dict]:
     """`cycles` SIGKILLed --resume runs in `workdir`; returns one record per cycle."""
     rng, records = random.Random(seed), []
     for i in range(cycles):
@@ -313,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="runs/kill_resume")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to both runs, after the defaults")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="applied to both runs, after the defaults"
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
@@ -361,19 +392,32 @@ def main(argv: list[str] | None = None) -> int:
     same_losses = losses(ref_dir) == losses(kill_dir)
     logged = [s for s, _ in losses(kill_dir)]
     report = {
-        "config": args.config, "overrides": overrides, "seed": args.seed, "steps": steps, "every": every,
-        "uninterrupted_s": round(ref_s, 2), "killed_and_final_s": round(kill_s, 2),
+        "config": args.config,
+        "overrides": overrides,
+        "seed": args.seed,
+        "steps": steps,
+        "every": every,
+        "uninterrupted_s": round(ref_s, 2),
+        "killed_and_final_s": round(kill_s, 2),
         "cycles": [{k: v for k, v in r.items() if k not in ("stdout", "stderr")} for r in records],
-        "final_resumed_from": resumed_from, "final_stderr": notes,
-        "reference_step": ref_step, "resumed_step": got_step, "restore_fallbacks": skipped,
-        "leaves_compared": n, "differing_leaves": differ, "bit_identical": identical,
-        "losses_identical": same_losses, "metrics_steps_once_each": logged == list(range(1, steps + 1)),
+        "final_resumed_from": resumed_from,
+        "final_stderr": notes,
+        "reference_step": ref_step,
+        "resumed_step": got_step,
+        "restore_fallbacks": skipped,
+        "leaves_compared": n,
+        "differing_leaves": differ,
+        "bit_identical": identical,
+        "losses_identical": same_losses,
+        "metrics_steps_once_each": logged == list(range(1, steps + 1)),
     }
     (root / "kill_resume.json").write_text(json.dumps(report, indent=2) + "\n")
     if differ:
         print(f"differing leaves: {', '.join(differ[:10])}{' ...' if len(differ) > 10 else ''}")
-    print(f"metrics.jsonl losses identical: {'yes' if same_losses else 'NO'} "
-          f"(steps 1..{steps} logged once each: {'yes' if report['metrics_steps_once_each'] else 'NO'})")
+    print(
+        f"metrics.jsonl losses identical: {'yes' if same_losses else 'NO'} "
+        f"(steps 1..{steps} logged once each: {'yes' if report['metrics_steps_once_each'] else 'NO'})"
+    )
     print(f"bit-identical: {'yes' if identical else 'NO'} ({n} leaves compared)")
     return 0 if identical and same_losses and report["metrics_steps_once_each"] else 1
 

@@ -61,10 +61,24 @@ def main() -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "meshpar.train", "--config", args.config, f"workdir={workdir}", *OVERRIDES,
-             "distributed.num_processes=2", f"distributed.process_id={i}", f"distributed.coordinator={coordinator}",
-             *args.overrides],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "meshpar.train",
+                "--config",
+                args.config,
+                f"workdir={workdir}",
+                *OVERRIDES,
+                "distributed.num_processes=2",
+                f"distributed.process_id={i}",
+                f"distributed.coordinator={coordinator}",
+                *args.overrides,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )  # fmt: skip
         for i in range(2)
     ]

@@ -82,17 +82,31 @@ BASE = dict(
 VARIANTS = {
     "untied_f32": dict(config={}, dtype=torch.float32),
     "tied_f32": dict(
-        config=dict(tie_word_embeddings=True, num_hidden_layers=3, vocab_size=320, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-        dtype=torch.float32, shard="40KB",
+        config=dict(
+            tie_word_embeddings=True,
+            num_hidden_layers=3,
+            vocab_size=320,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        ),
+        dtype=torch.float32,
+        shard="40KB",
     ),
     "bf16": dict(config={}, dtype=torch.bfloat16),
     "v4_llama3": dict(
-        config=dict(head_dim=16, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-        }),
-        dtype=torch.float32, v4=True,
+        config=dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        dtype=torch.float32,
+        v4=True,
     ),
 }
 

@@ -155,8 +155,16 @@ NAMED = [
 ]  # fmt: skip
 
 
-_TINY = ["model.d_model=64", "model.n_heads=4", "model.d_head=16", "model.d_ff=256", "model.max_length=64",
-         "data.length=64", "train.batch_size=16", *_TEXT]
+_TINY = [
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.d_head=16",
+    "model.d_ff=256",
+    "model.max_length=64",
+    "data.length=64",
+    "train.batch_size=16",
+    *_TEXT,
+]
 # --gpu-ci: small configs, each compiled in seconds, the ways the GPU program differs from XLA:CPU's:
 # a layer loop that runs as a loop, a data-parallel all-reduce, FSDP's gathers and reduce-scatters.
 GPU_CI = [
@@ -235,7 +243,9 @@ def generated() -> list[tuple[str, list[str]]]:
         family, kind = kinds[(len(out) - len(NAMED)) % len(kinds)]
         out.append((TRANSFORMER, _transformer(rng, kind)) if family == "transformer" else (MLP, _mlp(rng, kind)))
     rng = random.Random(LLAMA_SEED)
-    out += [(LLAMA, _llama(rng, kind)) for kind in itertools.islice(itertools.cycle(TRANSFORMER_LAYOUTS), LLAMA_GENERATED)]
+    out += [
+        (LLAMA, _llama(rng, kind)) for kind in itertools.islice(itertools.cycle(TRANSFORMER_LAYOUTS), LLAMA_GENERATED)
+    ]
     return out
 
 
@@ -484,8 +494,11 @@ def main(argv=None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--generated", action="store_true", help="the generated set only")
     which.add_argument("--ci", action="store_true", help="the shipped set and a CI-sized slice of the generated one")
-    which.add_argument("--gpu-ci", action="store_true",
-                       help=f"GPU_CI's configs, XLA:GPU only, for {', '.join(GPU_CI_TARGETS)} (CI, the gpu-plan extra)")
+    which.add_argument(
+        "--gpu-ci",
+        action="store_true",
+        help=f"GPU_CI's configs, XLA:GPU only, for {', '.join(GPU_CI_TARGETS)} (CI, the gpu-plan extra)",
+    )
     parser.add_argument("--gpu", action="store_true", help=f"add XLA:GPU columns for {', '.join(GPU_TARGETS)}")
     parser.add_argument("--targets", help="add XLA:GPU columns for these GPU topologies (comma-separated)")
     parser.add_argument("--target", type=float, default=TARGET, help=f"|error| a row may have (default {TARGET})")
@@ -570,8 +583,10 @@ def main(argv=None) -> int:
                 errors = [r["gpu"][t]["lowerings"][lowering]["compare"]["step total"]["error"]
                           for r in rows if "lowerings" in r["gpu"][t]]  # fmt: skip
                 absent = len(rows) - len(column)
-                summary.append(f"{title}: XLA:GPU {t} {lowering}: {sum(column)}/{len(column)} within "
-                               f"{args.target:.1%} (spread {_spread(errors)}); n/a or out of scope: {absent}")
+                summary.append(
+                    f"{title}: XLA:GPU {t} {lowering}: {sum(column)}/{len(column)} within "
+                    f"{args.target:.1%} (spread {_spread(errors)}); n/a or out of scope: {absent}"
+                )
             cells = [c for r in rows for c in r["gpu"].values()]
             gpu_reasons = sorted({c.get("out_of_scope") or c.get("n/a") for c in cells} - {None})
             if gpu_reasons:

@@ -104,8 +104,8 @@ def _summary(predicted: list[float], measured: list[float]) -> dict:
 def measure(path: str, args, workdir: str) -> dict:
     import jax
 
-    from meshpar import experiment, stop
     from meshpar import config as config_lib
+    from meshpar import experiment, stop
     from meshpar.plan import cost, feed_time, timing
 
     overrides = [

@@ -20,10 +20,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     )
 
 # meshpar before jax: its import quiets jax's CUDA plugin on a host without a GPU (meshpar.quiet).
-from meshpar import quiet  # noqa: E402
-from meshpar import compile_cache  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from meshpar import (
+    compile_cache,  # noqa: E402
+    quiet,  # noqa: E402
+)
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -68,6 +71,7 @@ def env():
     out = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out.pop("JAX_NUM_CPU_DEVICES", None)
     return out
+
 
 # `pytest -m smoke`: a short cross-section of the suite (CLI, training, feeding, checkpoints,
 # resume, faults, two processes), run by CI on the newest jax too. Node ids, so the list lives

@@ -71,7 +71,10 @@ RECORD = {"config": {"train.seed": 0}, "decay_steps": 20}
 
 def _snapshot(directory):
     """Every entry under `directory` with its bytes: what 'nothing on disk changed' compares."""
-    return {p.relative_to(directory).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(Path(directory).rglob("*"))}
+    return {
+        p.relative_to(directory).as_posix(): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(Path(directory).rglob("*"))
+    }
 
 
 def _assert_equal(restored, saved):
@@ -172,7 +175,9 @@ def test_a_failed_save_ends_with_one_line_naming_the_step_and_the_last_saved(exp
             ckpt.wait()
         monkeypatch.undo()
         assert ckpt.steps() == [1] and ckpt.last_saved == 1
-    assert re.fullmatch(r"cannot write step 2 to .*ckpt/2 \(.*No space left on device.*\); last step saved: 1", str(e.value)), str(e.value)
+    assert re.fullmatch(
+        r"cannot write step 2 to .*ckpt/2 \(.*No space left on device.*\); last step saved: 1", str(e.value)
+    ), str(e.value)
 
 
 def test_restore_reshards_into_another_mesh_and_layout(saved, copy):
@@ -305,7 +310,9 @@ def test_damaged_newest_is_set_aside_and_the_one_before_restored(exp8, saved, co
         _assert_equal(restored.state, saved[1][2])
         assert len(ckpt.skipped) == 1 and ckpt.skipped[0].startswith("step 4: ")
         err = capsys.readouterr().err.splitlines()
-        assert len(err) == 1 and re.fullmatch(r"checkpoint: step 4 is damaged \(.+\); kept as 4\.damaged; falling back to step 2", err[0]), err
+        assert len(err) == 1 and re.fullmatch(
+            r"checkpoint: step 4 is damaged \(.+\); kept as 4\.damaged; falling back to step 2", err[0]
+        ), err
         # Kept, byte for byte, out of the steps; training goes on from step 2 and saves a new 4.
         assert ckpt.steps() == [2] and _snapshot(copy / "4.damaged") == damaged
         state = _train(exp8, restored.state, 2, 4)
@@ -327,7 +334,9 @@ def test_flipped_bits_never_restore_wrong_values(exp8, saved, copy, capsys):
     path.write_bytes(data[:at] + bytes([data[at] ^ 0x08]) + data[at + 1 :])
     with Checkpointer(copy, every=2, keep=3) as ckpt:
         restored = ckpt.restore(*exp8.target)
-    assert restored.step == 2 and ckpt.skipped == ["step 4: state/" + path.relative_to(copy / "4" / "state").as_posix() + " holds other bytes than were written"]
+    assert restored.step == 2 and ckpt.skipped == [
+        "step 4: state/" + path.relative_to(copy / "4" / "state").as_posix() + " holds other bytes than were written"
+    ]
     assert "falling back to step 2" in capsys.readouterr().err
 
 
@@ -407,6 +416,7 @@ def test_an_error_during_restore_is_a_checkpoint_error_and_nothing_changes(exp8,
     # a tensorstore error reading files that match their manifest. Nothing is set aside or
     # deleted — not even by the next save.
     if where == "files":
+
         def failing(path):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
 
@@ -426,7 +436,9 @@ def test_an_error_during_restore_is_a_checkpoint_error_and_nothing_changes(exp8,
             ckpt.restore(*exp8.target)
         assert ckpt.skipped == [] and ckpt.steps() == [2, 4]
     cause = "Input/output error" if where == "files" else "DEADLINE_EXCEEDED"
-    assert re.fullmatch(rf"step 4 in .*ckpt cannot be read \(.*{cause}.*\); nothing on disk was changed: .*", str(e.value)), str(e.value)
+    assert re.fullmatch(
+        rf"step 4 in .*ckpt cannot be read \(.*{cause}.*\); nothing on disk was changed: .*", str(e.value)
+    ), str(e.value)
     assert _snapshot(copy) == before
 
 
@@ -476,7 +488,10 @@ def test_killed_mid_save_leaves_nothing_restorable_and_exit_finishes_or_reports_
     procs = {
         mode: subprocess.Popen(
             [sys.executable, "-c", _SAVER, str(tmp_path / mode), mode],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for mode in ("kill", "exit")
     }  # both at once: the two interpreters start in parallel
@@ -555,9 +570,13 @@ def test_asyncio_reports_of_abandoned_orbax_writes_are_dropped_and_nothing_else(
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
 
     orbax_file = "/site-packages/orbax/checkpoint/_src/serialization/serialization.py"
-    gathering = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished exception=ValueError()>"
+    gathering = (
+        "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished exception=ValueError()>"
+    )
     assert not _drop_abandoned_orbax_tasks(record(gathering, orbax_file))
     task = f"Task exception was never retrieved\nfuture: <Task finished coro=<write() done, defined at {orbax_file}:1>>"
     assert not _drop_abandoned_orbax_tasks(record(task, "/elsewhere.py"))
     assert _drop_abandoned_orbax_tasks(record(gathering, "/site-packages/mylib/io.py"))  # not orbax's: kept
-    assert _drop_abandoned_orbax_tasks(record("Executing <Task ...> took 0.2 seconds", orbax_file))  # another report: kept
+    assert _drop_abandoned_orbax_tasks(
+        record("Executing <Task ...> took 0.2 seconds", orbax_file)
+    )  # another report: kept

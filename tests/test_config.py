@@ -460,8 +460,9 @@ def test_python_tags_rejected_not_executed(tmp_path, template):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("text, shown", [("[1, 2]\n", "(list)"), ("hello\n", "(str)"), ("0\n", "(int)"),
-                                         ("- [model, x]\n", "(list)")])
+@pytest.mark.parametrize(
+    "text, shown", [("[1, 2]\n", "(list)"), ("hello\n", "(str)"), ("0\n", "(int)"), ("- [model, x]\n", "(list)")]
+)
 def test_yaml_top_level_not_mapping(tmp_path, text, shown):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -611,8 +612,10 @@ def _check_from_dict(raw: dict) -> None:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Half the meshes are valid, so that the layout (checked after the mesh) is reached often.
-@given(mesh=st.one_of(mesh_strings(), st.sampled_from(["data:4,model:2", "data:-1", "data:8", "data:3"])),
-       layout=st.one_of(layout_strings(), st.sampled_from(["batch:data", "batch:data; hidden:model", ""])))
+@given(
+    mesh=st.one_of(mesh_strings(), st.sampled_from(["data:4,model:2", "data:-1", "data:8", "data:3"])),
+    layout=st.one_of(layout_strings(), st.sampled_from(["batch:data", "batch:data; hidden:model", ""])),
+)
 def test_random_mesh_and_layout_strings(mesh, layout):
     _check_from_dict({"mesh": mesh, "layout": layout, "model": {"name": "mlp"}})
 
@@ -651,7 +654,11 @@ def test_random_strings_through_yaml_overrides(tmp_path_factory, mesh, layout):
         (cfg_with(data={"max_bytes": 10**5000}), "data.max_bytes", ["an integer of 16610 bits", "64-bit"]),
         ({"model": {"name": "mlp", "hidden": [16, 2**64]}}, "model.hidden[1]", ["64-bit"]),
         # model sizes and labels are int32 in jax (vocab_size=2**31 overflowed in the jitted loss)
-        ({"model": {"name": "transformer", "vocab_size": 2**31}}, "model.vocab_size", ["must be <= 2147483647", "int32"]),
+        (
+            {"model": {"name": "transformer", "vocab_size": 2**31}},
+            "model.vocab_size",
+            ["must be <= 2147483647", "int32"],
+        ),
         ({"model": {"name": "mlp", "hidden": [16, 2**31]}}, "model.hidden[1]", ["must be <= 2147483647"]),
         (cfg_with(data={"num_classes": 2**31}), "data.num_classes", ["must be <= 2147483647"]),
         # int32 step counts
@@ -662,7 +669,11 @@ def test_random_strings_through_yaml_overrides(tmp_path_factory, mesh, layout):
         (cfg_with(train={"seed": -1}), "train.seed", ["must be >= 0"]),
         (cfg_with(train={"seed": 2**32}), "train.seed", ["must be <= 4294967295"]),
         # floats: finite and within float32
-        (cfg_with(optimizer={"learning_rate": float("inf")}), "optimizer.learning_rate", ["inf", "not a finite float32"]),
+        (
+            cfg_with(optimizer={"learning_rate": float("inf")}),
+            "optimizer.learning_rate",
+            ["inf", "not a finite float32"],
+        ),
         (cfg_with(optimizer={"learning_rate": 1e39}), "optimizer.learning_rate", ["not a finite float32"]),
         (cfg_with(optimizer={"weight_decay": 10**400}), "optimizer.weight_decay", ["inf", "not a finite float32"]),
         (cfg_with(optimizer={"b2": "-1e308"}), "optimizer.b2", ["not a finite float32"]),
@@ -671,10 +682,22 @@ def test_random_strings_through_yaml_overrides(tmp_path_factory, mesh, layout):
         (cfg_with(optimizer={"b1": 1.0}), "optimizer.b1", ["must be in [0, 1)", "1.0"]),
         (cfg_with(optimizer={"b2": -0.1}), "optimizer.b2", ["must be in [0, 1)"]),
         # distributed
-        (cfg_with(distributed={"num_processes": 2, "process_id": 2}), "distributed.process_id", ["2 is not below", "num_processes 2"]),
+        (
+            cfg_with(distributed={"num_processes": 2, "process_id": 2}),
+            "distributed.process_id",
+            ["2 is not below", "num_processes 2"],
+        ),
         (cfg_with(distributed={"num_processes": 2**31}), "distributed.num_processes", ["must be <= 2147483647"]),
-        (cfg_with(distributed={"heartbeat_timeout_seconds": 2**31}), "distributed.heartbeat_timeout_seconds", ["must be <= 604800"]),
-        (cfg_with(distributed={"coordinator": "localhost"}), "distributed.coordinator", ["'localhost'", "not 'host:port'"]),
+        (
+            cfg_with(distributed={"heartbeat_timeout_seconds": 2**31}),
+            "distributed.heartbeat_timeout_seconds",
+            ["must be <= 604800"],
+        ),
+        (
+            cfg_with(distributed={"coordinator": "localhost"}),
+            "distributed.coordinator",
+            ["'localhost'", "not 'host:port'"],
+        ),
         (cfg_with(distributed={"coordinator": ":1234"}), "distributed.coordinator", ["not 'host:port'"]),
         (cfg_with(distributed={"coordinator": "h:65536"}), "distributed.coordinator", ["port '65536'"]),
         (cfg_with(distributed={"coordinator": "h:x"}), "distributed.coordinator", ["port 'x'"]),
@@ -697,11 +720,15 @@ def test_extreme_values(raw, key, substrings):
 
 
 def test_extremes_that_are_fine():
-    cfg = from_dict(cfg_with(
-        train={"seed": 2**32 - 1, "steps": 2**31 - 1}, optimizer={"learning_rate": 1e30, "b1": 0.0, "b2": 0.999999},
-        data={"eval_fraction": 1.0, "max_bytes": 2**63 - 1}, distributed={"coordinator": "[::1]:65535", "num_processes": 4, "process_id": 3},
-        workdir="runs/" + "é" * 127,
-    ))
+    cfg = from_dict(
+        cfg_with(
+            train={"seed": 2**32 - 1, "steps": 2**31 - 1},
+            optimizer={"learning_rate": 1e30, "b1": 0.0, "b2": 0.999999},
+            data={"eval_fraction": 1.0, "max_bytes": 2**63 - 1},
+            distributed={"coordinator": "[::1]:65535", "num_processes": 4, "process_id": 3},
+            workdir="runs/" + "é" * 127,
+        )
+    )
     assert cfg.train.seed == 2**32 - 1 and cfg.optimizer.learning_rate == 1e30  # 1e30: the NaN-loss tests' rate
 
 

@@ -126,8 +126,12 @@ def test_the_page_lists_every_key_with_its_type_default_and_bounds():
         assert f"### `model.name: {name}`" in page
         assert f"`model.name` · str · default `{name}` · one of `{name}`" in page
     # A group: the keys share one definition, the group's comment.
-    group = re.search(r"^`data.num_examples` .*\n`data.num_eval_examples` .*\n`data.num_features` .*\n"
-                      r"`data.num_classes` .*\n:   synthetic: ", page, re.M)
+    group = re.search(
+        r"^`data.num_examples` .*\n`data.num_eval_examples` .*\n`data.num_features` .*\n"
+        r"`data.num_classes` .*\n:   synthetic: ",
+        page,
+        re.M,
+    )
     assert group, "the synthetic group is one entry"
     assert "(no comment)" not in page
 
@@ -145,4 +149,3 @@ def test_readme_links_resolve_and_it_stays_short():
     assert local, "the README links into docs/"
     for link in local:
         assert (ROOT / link).exists(), link
-

@@ -53,7 +53,14 @@ def _hf_copy(tmp_path: Path, fixture: str = "untied_f32") -> Path:
 
 
 def _run(env, module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, env=env, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_from_hf_resumes_fine_tunes_with_init_from_and_goes_back_to_hf(tmp_path, env, capsys):
@@ -65,14 +72,23 @@ def test_from_hf_resumes_fine_tunes_with_init_from_and_goes_back_to_hf(tmp_path,
     done = _run(env, "meshpar.convert", "from-hf", hf, "--config", yaml_path, "--workdir", work)
     assert done.returncode == 0, done.stderr
     assert "peak RSS" in done.stdout and f"workdir={work} --resume" in done.stdout
-    assert sorted(p.name for p in work.iterdir()) == sorted(["checkpoints", "hf_config.json", "hf_generation_config.json", *TOKENIZER])
+    assert sorted(p.name for p in work.iterdir()) == sorted(
+        ["checkpoints", "hf_config.json", "hf_generation_config.json", *TOKENIZER]
+    )
     assert [p.name for p in (work / "checkpoints").iterdir()] == ["0"]
 
     # A new run from the converted weights (python -m meshpar.train's entry point, in this
     # process): 3 steps, its first loss the imported weights' loss.
     capsys.readouterr()
-    assert train.main(["--config", str(yaml_path), f"workdir={tuned}", f"checkpoint.init_from={work}", "checkpoint.every=3"]) == 0
-    assert f"checkpoint.init_from: parameters from {work / 'checkpoints'} (meshpar run, step 0)" in capsys.readouterr().err
+    assert (
+        train.main(
+            ["--config", str(yaml_path), f"workdir={tuned}", f"checkpoint.init_from={work}", "checkpoint.every=3"]
+        )
+        == 0
+    )
+    assert (
+        f"checkpoint.init_from: parameters from {work / 'checkpoints'} (meshpar run, step 0)" in capsys.readouterr().err
+    )
     losses = [row["loss"] for row in read_jsonl(tuned / "metrics.jsonl")]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     # The converted folder is step 0 of the run its config describes: --resume continues it,
@@ -80,7 +96,9 @@ def test_from_hf_resumes_fine_tunes_with_init_from_and_goes_back_to_hf(tmp_path,
     # whose loss is that of the Hugging Face weights on the first batch, computed here too.
     exp = experiment.build(config.load(yaml_path, [f"workdir={work}", "checkpoint.resume=auto", "train.steps=1"]))
     assert exp.resumed_from == 0
-    weights, _ = hf_load.open(hf, exp.cfg.model).load(exp.state.params, jax.tree.map(lambda x: x.sharding, exp.state.params))
+    weights, _ = hf_load.open(hf, exp.cfg.model).load(
+        exp.state.params, jax.tree.map(lambda x: x.sharding, exp.state.params)
+    )
     first, _ = exp.inputs.eval_feeder.place(exp.inputs.train.batch(0))
     assert float(exp.eval_step(weights, first)["loss"]) == pytest.approx(losses[0], rel=1e-5)
     assert loop.train(exp)["first_loss"] == losses[0]
@@ -88,8 +106,12 @@ def test_from_hf_resumes_fine_tunes_with_init_from_and_goes_back_to_hf(tmp_path,
     # Back out: the fine-tuned run's step 3, with the tokenizer files and the original config
     # found through its init_from.
     out = tmp_path / "out"
-    assert convert.main(["to-hf", os.path.relpath(tuned), str(out)]) == 0, capsys.readouterr().err  # a relative path too
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "generation_config.json", "model.safetensors", *TOKENIZER])
+    assert convert.main(["to-hf", os.path.relpath(tuned), str(out)]) == 0, (
+        capsys.readouterr().err
+    )  # a relative path too
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", *TOKENIZER]
+    )
     hf_json = json.loads((out / "config.json").read_text())
     assert hf_json["bos_token_id"] == 1 and hf_json["hidden_size"] == 32 and hf_json["dtype"] == "float32"
     saved = init_from.SavedRun.find(tuned)
@@ -97,7 +119,9 @@ def test_from_hf_resumes_fine_tunes_with_init_from_and_goes_back_to_hf(tmp_path,
     files = reader.Folder(out)
     layers = files.read("model.layers.1.mlp.down_proj.weight")  # [d_model, d_ff] = W_down(layer 1).T
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    w_down = saved.restore_params({"params/blocks/w_down/value": jax.ShapeDtypeStruct((2, 64, 32), np.float32, sharding=host)})
+    w_down = saved.restore_params(
+        {"params/blocks/w_down/value": jax.ShapeDtypeStruct((2, 64, 32), np.float32, sharding=host)}
+    )
     np.testing.assert_array_equal(layers, np.asarray(w_down["params/blocks/w_down/value"])[1].T)
     assert not np.array_equal(layers, reader.Folder(hf).read("model.layers.1.mlp.down_proj.weight"))  # it trained
 
@@ -127,12 +151,16 @@ def test_init_from_hf_equals_from_hf_then_resume_and_init_from_a_run_converts_it
         assert a.dtype == jax.numpy.bfloat16 and a.sharding == b.sharding
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     other = cfg(f"checkpoint.init_from={work}", "model.rms_eps=1.0e-6")
-    with pytest.raises(ConfigError, match=r"^model\.rms_eps: 1e-06 in the config but 1e-05 in .*W/checkpoints \(meshpar run, step 0\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.rms_eps: 1e-06 in the config but 1e-05 in .*W/checkpoints \(meshpar run, step 0\)$"
+    ):
         init_from.open_source(other, plan.abstract.params)
 
 
 def _mistral(folder: Path) -> None:
-    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), "model_type": "mistral"}))
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "model_type": "mistral"})
+    )
 
 
 def _tensors(change):
@@ -140,7 +168,9 @@ def _tensors(change):
         files = reader.Folder(folder)
         arrays = {name: files.read(name) for name in files.tensors}
         change(arrays)
-        writer.write_file(folder / reader.SINGLE, [writer.Entry(k, v.dtype, v.shape, lambda v=v: v) for k, v in arrays.items()])
+        writer.write_file(
+            folder / reader.SINGLE, [writer.Entry(k, v.dtype, v.shape, lambda v=v: v) for k, v in arrays.items()]
+        )
 
     return apply
 
@@ -197,7 +227,12 @@ def test_the_command_exits_2_with_one_line_and_refuses_a_folder_in_use(tmp_path,
     ]
     work.mkdir()
     (work / "notes.txt").write_text("mine")
-    assert convert.main(["from-hf", str(FIXTURES / "untied_f32"), "--config", str(_config(tmp_path)), "--workdir", str(work)]) == 2
+    assert (
+        convert.main(
+            ["from-hf", str(FIXTURES / "untied_f32"), "--config", str(_config(tmp_path)), "--workdir", str(work)]
+        )
+        == 2
+    )
     assert convert.main(["to-hf", str(tmp_path), str(tmp_path / "out")]) == 2  # no checkpoint there
     assert (work / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
 
@@ -206,7 +241,10 @@ def test_the_command_exits_2_with_one_line_and_refuses_a_folder_in_use(tmp_path,
     "where, expected",
     [
         ("missing", r"checkpoint\.init_from: .*missing does not exist$"),
-        ("file.txt", r"checkpoint\.init_from: .*file\.txt is a file; give a Hugging Face model folder or a meshpar run's folder$"),
+        (
+            "file.txt",
+            r"checkpoint\.init_from: .*file\.txt is a file; give a Hugging Face model folder or a meshpar run's folder$",
+        ),
         ("empty", r"checkpoint\.init_from: .*empty is neither a Hugging Face model folder .* nor a meshpar run"),
     ],
 )
@@ -220,7 +258,9 @@ def test_init_from_names_what_is_wrong_with_the_path(tmp_path, where, expected):
 
 def test_init_from_a_hugging_face_folder_checks_the_model_section(tmp_path):
     cfg = config.load(_config(tmp_path), [f"checkpoint.init_from={FIXTURES / 'tied_f32'}"])
-    with pytest.raises(ConfigError, match=r"^model\.n_layers: 2 in the config but 3 in .*tied_f32/config\.json \(num_hidden_layers\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.n_layers: 2 in the config but 3 in .*tied_f32/config\.json \(num_hidden_layers\)$"
+    ):
         init_from.open_source(cfg, None)
     cfg = config.load(_config(tmp_path), [f"checkpoint.init_from={FIXTURES / 'untied_f32'}"])
     assert isinstance(init_from.open_source(cfg, None), hf_load.Source)
@@ -255,5 +295,6 @@ def test_transformers_loads_the_export_and_computes_meshpars_logits(tmp_path, fi
     with torch.no_grad():
         theirs = model(torch.from_numpy(inputs).long()).logits.numpy()
     assert np.abs(np.asarray(ours)[:2] - theirs).max() < 1e-5
-    assert np.abs(theirs - np.load(FIXTURES / fixture / "reference.npz")["logits"]).max() > 1e-2  # not the fixture's weights
-
+    assert (
+        np.abs(theirs - np.load(FIXTURES / fixture / "reference.npz")["logits"]).max() > 1e-2
+    )  # not the fixture's weights

@@ -67,7 +67,9 @@ def test_the_offload_section_is_one_skipped_line_when_its_script_is_missing_or_f
     out = device_check.offload(args, {})
     assert out == {"status": "skipped", "note": "skipped: scripts/bench_offload.py is not in this tree"}
     (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "bench_offload.py").write_text("import sys\nprint('offload: no device memory kinds here')\nsys.exit(3)\n")
+    (tmp_path / "scripts" / "bench_offload.py").write_text(
+        "import sys\nprint('offload: no device memory kinds here')\nsys.exit(3)\n"
+    )
     out = device_check.offload(args, {})
     assert out["status"] == "skipped"
     assert out["note"] == "skipped: bench_offload.py exited 3: offload: no device memory kinds here"
@@ -194,7 +196,9 @@ def _unified_section(tmp_path, monkeypatch, swap_fits: bool):
         calls.append((cmd, seconds, env))
         out = pathlib.Path(cmd[cmd.index("--json") + 1]) if "--json" in cmd else None
         if "out-of-core-sweep" in cmd:
-            out.write_text(json.dumps({"batch_size": 152, "device_bytes": device_bytes, "none_device_bytes": {"128": 1, "152": 2}}))
+            out.write_text(
+                json.dumps({"batch_size": 152, "device_bytes": device_bytes, "none_device_bytes": {"128": 1, "152": 2}})
+            )
             return 0, "batch 152\n"
         if "meshpar.plan" in cmd:
             rows = _out_of_core_rows([int(cmd[cmd.index("--batch-sweep") + 1])], device_bytes)
@@ -205,10 +209,14 @@ def _unified_section(tmp_path, monkeypatch, swap_fits: bool):
         workdir = pathlib.Path(next(c for c in cmd if c.startswith("workdir=")).split("=", 1)[1])
         workdir.mkdir(parents=True)
         if "offload.unified_memory=true" in cmd:
-            (workdir / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 40.0}\n{"step": 2, "step_time_s": 5.0}\n')
+            (workdir / "metrics.jsonl").write_text(
+                '{"step": 1, "step_time_s": 40.0}\n{"step": 2, "step_time_s": 5.0}\n'
+            )
             return 1, "step 2\ntraining error: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB\n"
         (workdir / "step_times.json").write_text(json.dumps({"step_time_s": [30.0, 3.0, 3.4, 3.1, 3.3, 3.2]}))
-        (workdir / "summary.json").write_text(json.dumps({"input_memory": {"memory_stats_peak_bytes_in_use": {"0": 90 * GIB}}}))
+        (workdir / "summary.json").write_text(
+            json.dumps({"input_memory": {"memory_stats_peak_bytes_in_use": {"0": 90 * GIB}}})
+        )
         return 0, "done\n"
 
     monkeypatch.setattr(device_check, "run", fake)
@@ -227,7 +235,9 @@ def _unified_section(tmp_path, monkeypatch, swap_fits: bool):
     assert runs["none"]["status"] == "not run" and not runs["none"]["predicted"]["fits"]
     um = runs["unified"]
     assert um["predicted"]["migrated_bytes"] > 0 and um["predicted"]["device_bytes"] == device_bytes
-    assert um["status"] == "failed" and um["note"].endswith("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB")
+    assert um["status"] == "failed" and um["note"].endswith(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB"
+    )
     assert um["median_step_time_s"] == 5.0 and um["step_time_source"].startswith("metrics.jsonl")
     assert "offload.oversubscription=1.5" in train[0]
     assert out["status"] == "failed"  # the unified-memory run was predicted to fit
@@ -250,7 +260,10 @@ def test_the_unified_memory_section_on_a_gpu_measures_both_runs_and_records_a_fa
     assert rows["out of core: offload.activations=dots, batch 152: step time (median)"]["measured"] == 3.2
     peak = rows["out of core: offload.activations=dots, batch 152: peak memory (vs device bytes)"]
     assert peak["predicted"] == swap["predicted"]["device_bytes"] and peak["measured"] == 90 * GIB
-    assert rows["out of core: unified memory, batch 152: step time (median)"]["predicted"] == runs["unified"]["predicted"]["step_s"]
+    assert (
+        rows["out of core: unified memory, batch 152: step time (median)"]["predicted"]
+        == runs["unified"]["predicted"]["step_s"]
+    )
     summary = (tmp_path / "summary.md").read_text()
     assert "## (d) Unified memory vs swap" in summary and "| d_unified_memory | failed |" in summary
     assert "| unified memory | 152 | " in summary and "RESOURCE_EXHAUSTED" in summary
@@ -291,8 +304,16 @@ def test_train_plan_and_compare_feeding_start_without_orbax_tfds_tensorboardx_an
     probe = run("-c", "import importlib.util as u, meshpar.checkpoint, meshpar.train, meshpar.compare_feeding, input_pipeline.tfds_source, sys; "
                       f"print([u.find_spec(m) for m in {OPTIONAL!r}], sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))")  # fmt: skip  # noqa: E501
     assert probe.returncode == 0 and probe.stdout.strip() == f"{[None] * len(OPTIONAL)} []", probe.stderr
-    small = ["train.steps=2", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=0", "train.progress=false"]
-    train = run("-m", "meshpar.train", "--config", "experiments/quickstart.yaml", *small, f"workdir={tmp_path / 'train'}")
+    small = [
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "checkpoint.every=0",
+        "train.progress=false",
+    ]
+    train = run(
+        "-m", "meshpar.train", "--config", "experiments/quickstart.yaml", *small, f"workdir={tmp_path / 'train'}"
+    )
     assert train.returncode == 0, train.stderr
     assert "tensorboard: skipped: tensorboardX is not installed" in train.stdout
     assert json.loads((tmp_path / "train" / "summary.json").read_text())["steps"] == 2
@@ -329,12 +350,17 @@ def test_the_dry_run_runs_every_section_end_to_end_on_cpu(tmp_path, env):
     assert planner["none_over_device"] == pytest.approx(needs[um["batch_size"]] / device_bytes)
     assert 1.1 < planner["none_over_device"] < 1.5 and {r["batch_size"] for r in um["rows"]} == {um["batch_size"]}
     runs = {r["name"]: r for r in um["runs"]}
-    assert {"none", "unified", "swap"} <= set(runs) and all(r["status"] == "not run (no CUDA GPU)" for r in runs.values())
+    assert {"none", "unified", "swap"} <= set(runs) and all(
+        r["status"] == "not run (no CUDA GPU)" for r in runs.values()
+    )
     none, unified = runs["none"]["predicted"], runs["unified"]["predicted"]
     assert "offload.unified_memory=true" in runs["unified"]["overrides"]
     assert none["device_bytes"] > device_bytes and not none["fits"]
     assert unified["migrated_bytes"] > 0 and unified["device_bytes"] <= device_bytes and unified["fits"]
-    assert unified["device_bytes"] + unified["migrated_bytes"] >= none["device_bytes"] * 0.9 and unified["step_s"] > none["step_s"]
+    assert (
+        unified["device_bytes"] + unified["migrated_bytes"] >= none["device_bytes"] * 0.9
+        and unified["step_s"] > none["step_s"]
+    )
     refusal = um["refusal"]
     assert refusal["refused"] and refusal["rc"] == 2 and "offload.unified_memory=true" in refusal["command"]
     assert refusal["line"].startswith("config error: offload.unified_memory: needs a CUDA GPU")

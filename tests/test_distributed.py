@@ -74,19 +74,28 @@ def test_a_killed_peer_is_named_by_the_survivor_with_the_last_checkpoint(cfg_pat
     # meshpar's own liveness check ends it first, in one line, with exit status 1.
     workdir, heartbeat = tmp_path / "run", 3
     checkpoints = workdir / "checkpoints"
-    procs = launch(cfg_path, workdir, "train.steps=100000", "checkpoint.every=3",
-                   f"distributed.heartbeat_timeout_seconds={heartbeat}", env=env)
+    procs = launch(
+        cfg_path,
+        workdir,
+        "train.steps=100000",
+        "checkpoint.every=3",
+        f"distributed.heartbeat_timeout_seconds={heartbeat}",
+        env=env,
+    )
     # Saves and their compiles on the way: the check does not fire while both are alive.
     wait_until(lambda: len(rundir.committed_steps(checkpoints)) >= 2, procs)
     procs[1].kill()
     killed = time.monotonic()
     rc1 = procs[1].wait()
-    (rc0, err0), = finish(procs[:1], timeout=60)
+    ((rc0, err0),) = finish(procs[:1], timeout=60)
     took = time.monotonic() - killed
     assert rc1 == -signal.SIGKILL
     last = err0.strip().splitlines()[-1]
-    m = re.fullmatch(rf"training error: lost process 1 \(no heartbeat for (\d+) s\); "
-                     rf"last checkpoint: step (\d+) in {re.escape(str(checkpoints))}", last)
+    m = re.fullmatch(
+        rf"training error: lost process 1 \(no heartbeat for (\d+) s\); "
+        rf"last checkpoint: step (\d+) in {re.escape(str(checkpoints))}",
+        last,
+    )
     assert rc0 == 1 and m, f"exit {rc0}: {err0[-3000:]}"
     assert heartbeat <= int(m[1]) <= heartbeat + 3  # the timeout, and a read or two late at most
     assert int(m[2]) == rundir.committed_steps(checkpoints)[-1]  # what --resume would start from
@@ -99,11 +108,23 @@ def test_a_killed_peer_is_named_by_the_survivor_with_the_last_checkpoint(cfg_pat
 
 def _alone(cfg_path, env, workdir, process_id, coordinator):
     return subprocess.Popen(
-        [sys.executable, "-m", "meshpar.train", "--config", str(cfg_path), f"workdir={workdir}",
-         "distributed.num_processes=2", f"distributed.process_id={process_id}",
-         f"distributed.coordinator={coordinator}",
-         f"distributed.initialization_timeout={START_FAIL_TIMEOUT}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "meshpar.train",
+            "--config",
+            str(cfg_path),
+            f"workdir={workdir}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={process_id}",
+            f"distributed.coordinator={coordinator}",
+            f"distributed.initialization_timeout={START_FAIL_TIMEOUT}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -126,15 +147,20 @@ def test_start_up_failures_end_within_the_timeout_with_one_line(cfg_path, env, t
         "no peer": _alone(cfg_path, env, tmp_path / "a", 0, f"127.0.0.1:{free_port()}"),
         "no coordinator": _alone(cfg_path, env, tmp_path / "b", 1, f"127.0.0.1:{closed}"),
         "no devices": _alone(cfg_path, env, tmp_path / "c", 0, f"127.0.0.1:{hang_port}"),
-        "hangs": subprocess.Popen([sys.executable, "-c", _JOINS_AND_HANGS, f"127.0.0.1:{hang_port}"], cwd=REPO, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        "hangs": subprocess.Popen(
+            [sys.executable, "-c", _JOINS_AND_HANGS, f"127.0.0.1:{hang_port}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     }
     results = dict(zip(procs, finish(list(procs.values()), timeout=60)))
     assert time.monotonic() - started < 60
     expected = {
         "no peer": r"not all 2 processes joined the coordinator at 127\.0\.0\.1:\d+ within 3 s .*a process never came",
         "no coordinator": rf"process 1 cannot reach the coordinator at 127\.0\.0\.1:{closed} \(connection refused\) "
-                          r"within 3 s .*",
+        r"within 3 s .*",
         "no devices": r"process 0: the 2 processes joined, but not all of them started their devices within 3 s .*",
     }
     for name, pattern in expected.items():

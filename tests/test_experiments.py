@@ -30,7 +30,7 @@ def _runs_with(path: pathlib.Path) -> list[str]:
     """The overrides of a command in the header that runs this experiment with changes (the
     change a refused config is trained with), else none."""
     command = f"  python -m meshpar.train --config experiments/{path.name} "
-    return next((shlex.split(line[len(command):]) for line in _header(path) if line.startswith(command)), [])
+    return next((shlex.split(line[len(command) :]) for line in _header(path) if line.startswith(command)), [])
 
 
 def test_there_are_experiments():
@@ -45,7 +45,9 @@ SLOW = {"does_not_fit"}
 
 
 @pytest.mark.parametrize(
-    "path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in EXPERIMENTS], ids=lambda p: p.stem
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in EXPERIMENTS],
+    ids=lambda p: p.stem,
 )
 def test_experiment_runs_two_steps(path, tmp_path):
     text = path.read_text()
@@ -122,7 +124,9 @@ def test_configured_peak_is_used(tmp_path):
 def test_transformer_routed_equals_direct_bit_for_bit(tmp_path):
     losses = {}
     for mode in ("direct", "routed"):
-        cfg = config.load("experiments/quickstart.yaml", [*SHORT, "train.steps=3", f"feed.mode={mode}", f"workdir={tmp_path / mode}"])
+        cfg = config.load(
+            "experiments/quickstart.yaml", [*SHORT, "train.steps=3", f"feed.mode={mode}", f"workdir={tmp_path / mode}"]
+        )
         exp = experiment.build(cfg)
         loop.train(exp)
         losses[mode] = ([r["loss"] for r in read_jsonl(tmp_path / mode / "metrics.jsonl")], exp.state.params)
@@ -139,15 +143,31 @@ def test_trains_on_tfds_array_record_datasets(tmp_path):
     build_tiny_text_dataset(data_dir)
     image = config.load(
         "experiments/mlp_data_parallel.yaml",
-        [*SHORT, "train.steps=4", "train.batch_size=16", "data.source=tfds", "data.name=tiny_digits",
-         f"data.data_dir={data_dir}", "data.eval_split=test", f"workdir={tmp_path / 'digits'}"],
+        [
+            *SHORT,
+            "train.steps=4",
+            "train.batch_size=16",
+            "data.source=tfds",
+            "data.name=tiny_digits",
+            f"data.data_dir={data_dir}",
+            "data.eval_split=test",
+            f"workdir={tmp_path / 'digits'}",
+        ],
     )
     summary = train.run(image)
     assert summary["model_flops_per_example"] == 6 * (64 * 512 + 512 * 256 + 256 * 10)  # 8x8x1 images
     text = config.load(
         "experiments/quickstart.yaml",
-        [*SHORT, "train.batch_size=8", "data.source=tfds_text", "data.name=tiny_text", "data.length=16",
-         f"data.data_dir={data_dir}", "data.eval_split=test", f"workdir={tmp_path / 'text'}"],
+        [
+            *SHORT,
+            "train.batch_size=8",
+            "data.source=tfds_text",
+            "data.name=tiny_text",
+            "data.length=16",
+            f"data.data_dir={data_dir}",
+            "data.eval_split=test",
+            f"workdir={tmp_path / 'text'}",
+        ],
     )
     summary = train.run(text)
     assert np.isfinite(summary["final_loss"]) and summary["tokens_per_example"] == 16

@@ -103,7 +103,9 @@ def test_kill9_cycles_then_resume_is_bit_identical(reference, cfg_path, env, tmp
     for cycle in range(3):
         last = max(kr.logged_steps(workdir), default=0)
         target = rng.randint(last + 1, last + max((STEPS - 6 - last) // (3 - cycle), 1))
-        rec = kr.interrupt(cfg_path, workdir, feed, target=target, delay=rng.choice([0.0, rng.uniform(0, 0.02)]), env=env)
+        rec = kr.interrupt(
+            cfg_path, workdir, feed, target=target, delay=rng.choice([0.0, rng.uniform(0, 0.02)]), env=env
+        )
         assert rec["rc"] == -signal.SIGKILL, rec["stderr"]
         assert rec["killed_at"] >= target and max(rec["checkpoints_after"], default=0) <= rec["killed_at"]
         if workers:  # the run had its workers (and their resource tracker) when it was killed; none outlives it
@@ -162,7 +164,9 @@ def stopped(cfg_path, env, tmp_path_factory):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_stop_signal_saves_exits_128_plus_signum_and_resumes_bit_identical(reference, cfg_path, env, tmp_path, stopped, sig):
+def test_stop_signal_saves_exits_128_plus_signum_and_resumes_bit_identical(
+    reference, cfg_path, env, tmp_path, stopped, sig
+):
     rec, saved = stopped(sig)
     assert rec["rc"] == 128 + sig, rec["stderr"]  # 143 / 130
     lines = rec["stderr"].strip().splitlines()
@@ -183,10 +187,22 @@ def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
     # In-process, to land the signal deterministically after a step's save call: during step 10's eval.
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are only installed from the main thread")
-    cfg = config.load(REPO / "experiments" / "mlp_model_parallel.yaml", [
-        "model.hidden=[64,32]", "data.num_examples=2048", "data.num_eval_examples=256", "data.num_features=48",
-        "train.steps=20", "train.batch_size=32", "train.log_every=1", "train.eval_every=10", "train.progress=false",
-        "checkpoint.every=3", f"workdir={tmp_path / 'run'}"])
+    cfg = config.load(
+        REPO / "experiments" / "mlp_model_parallel.yaml",
+        [
+            "model.hidden=[64,32]",
+            "data.num_examples=2048",
+            "data.num_eval_examples=256",
+            "data.num_features=48",
+            "train.steps=20",
+            "train.batch_size=32",
+            "train.log_every=1",
+            "train.eval_every=10",
+            "train.progress=false",
+            "checkpoint.every=3",
+            f"workdir={tmp_path / 'run'}",
+        ],
+    )
     exp, evaluate = experiment.build(cfg), loop.evaluate
 
     def evaluate_then_signal(exp, state):
@@ -200,7 +216,9 @@ def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
     # The flag set during step 10's eval rides into step 11, whose results are read a step late
     # (meshpar.loop), once step 12 has taken its state: every process stops at 12 and saves it.
     assert stopped.value.step == 12 and stopped.value.saved
-    assert 12 in exp.checkpointer.steps(), f"'checkpoint saved at step 12', yet the checkpoints are {exp.checkpointer.steps()}"
+    assert 12 in exp.checkpointer.steps(), (
+        f"'checkpoint saved at step 12', yet the checkpoints are {exp.checkpointer.steps()}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +227,10 @@ def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
 
 def _garble(step_dir: Path):
     """Overwrite the middle third of the largest array data file of the checkpoint."""
-    files = sorted((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: -p.stat().st_size)
+    files = sorted(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: -p.stat().st_size,
+    )
     assert files, f"no data files under {step_dir / 'state'}"
     data = files[0].read_bytes()
     third = len(data) // 3
@@ -242,7 +263,9 @@ def damaged(request, cfg_path, env, tmp_path_factory, stopped):
 def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(reference, cfg_path, damaged):
     _, workdir, newest, before, stderr = damaged
     # Searched in the whole text: other output (see the next test) may even break into the line.
-    notes = re.findall(r"checkpoint: step (\d+) is damaged \((.+?)\); kept as (\S+); falling back to step (\d+)", stderr)
+    notes = re.findall(
+        r"checkpoint: step (\d+) is damaged \((.+?)\); kept as (\S+); falling back to step (\d+)", stderr
+    )
     assert [(int(a), c, int(d)) for a, _, c, d in notes] == [(newest, f"{newest}.damaged", before)], stderr
     _assert_like_reference(reference, cfg_path, workdir)
     assert (Path(workdir) / "checkpoints" / f"{newest}.damaged").is_dir()  # kept, never deleted
@@ -251,15 +274,25 @@ def test_damaged_newest_checkpoint_falls_back_and_still_ends_bit_identical(refer
 def test_damaged_newest_checkpoint_says_only_what_happened(damaged):
     kind, _, newest, _, stderr = damaged
     lines = stderr.strip().splitlines()
-    why = "state/manifest.ocdbt is missing" if kind == "no-manifest" else r"state/\S+ holds other bytes than were written"
+    why = (
+        "state/manifest.ocdbt is missing" if kind == "no-manifest" else r"state/\S+ holds other bytes than were written"
+    )
     assert len(lines) == 1 and re.fullmatch(rf"checkpoint: step {newest} is damaged \({why}\); .*", lines[0]), stderr
 
 
 # ----------------------------------------------------------------------------------------------
 # NaN guard
 
-NAN = ["optimizer.name=sgd", "optimizer.learning_rate=1e30", "optimizer.b1=0", "checkpoint.every=1", "checkpoint.keep=0"]
-NAN_LINE = r"training error: step (\d+): loss is (nan|inf|-inf), gradient norm is \S+(; last good checkpoint: step (\d+))?"
+NAN = [
+    "optimizer.name=sgd",
+    "optimizer.learning_rate=1e30",
+    "optimizer.b1=0",
+    "checkpoint.every=1",
+    "checkpoint.keep=0",
+]
+NAN_LINE = (
+    r"training error: step (\d+): loss is (nan|inf|-inf), gradient norm is \S+(; last good checkpoint: step (\d+))?"
+)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +313,10 @@ def test_non_finite_loss_exits_1_and_every_checkpoint_left_is_finite(cfg_path, n
     assert kept and max(kept) < int(m[1]) and not kr.inflight_saves(workdir / "checkpoints")
     # Every checkpoint left restores (newest first; each then removed) to finite values.
     exp = experiment.build(config.load(cfg_path, [*NAN, "checkpoint.every=0", f"workdir={tmp_path / 'target'}"]))
-    target = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), exp.state), jax.tree.map(lambda x: x.sharding, exp.state))
+    target = (
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), exp.state),
+        jax.tree.map(lambda x: x.sharding, exp.state),
+    )
     for step in reversed(kept):
         with Checkpointer(workdir / "checkpoints", every=0, keep=0) as ckpt:
             restored = ckpt.restore(*target)

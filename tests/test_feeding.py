@@ -96,7 +96,10 @@ def test_routed_gives_direct_s_shards_and_its_relay_keeps_the_whole_batch():
             np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
     total = sum(v.nbytes for v in batch.values())
     assert routed.live_bytes() == {0: total + total // 4, **{i: total // 4 for i in range(1, 8)}}
-    with jax.transfer_guard_device_to_device("disallow_explicit"), pytest.raises(Exception, match="Disallowed device-to-device"):
+    with (
+        jax.transfer_guard_device_to_device("disallow_explicit"),
+        pytest.raises(Exception, match="Disallowed device-to-device"),
+    ):
         routed.place(batch)
 
 
@@ -107,9 +110,7 @@ def test_relay_peak_covers_the_whole_batch_only_when_routed(data):
     direct, routed = DirectFeeder(shardings, 64), RoutedFeeder(shardings, 64)
     direct.place(batch)
     routed.place(batch)
-    d_peak, r_peak = (
-        {int(k): v for k, v in f.memory_report()["peak_input_bytes"].items()} for f in (direct, routed)
-    )
+    d_peak, r_peak = ({int(k): v for k, v in f.memory_report()["peak_input_bytes"].items()} for f in (direct, routed))
     assert d_peak == {i: total // data for i in range(data)}  # no device above its own slice
     # Routed: the relay held the staging copy and every device's slice before they were copied
     # out (twice the batch); every other device only ever held its own slice.

@@ -28,21 +28,45 @@ train: {steps: 2, batch_size: 16, progress: false}
 
 # field → (type, minimum) for the sections the fuzzer corrupts
 FIELDS = {
-    "train.steps": (int, 1), "train.batch_size": (int, 1), "train.log_every": (int, 1), "train.eval_every": (int, 0),
-    "train.eval_batches": (int, 1), "train.seed": (int, 0), "train.progress": (bool, None),
-    "feed.prefetch": (int, 0), "feed.mode": ("literal", None), "feed.reuse_buffers": (bool, None),
-    "optimizer.learning_rate": (float, 0.0), "optimizer.weight_decay": (float, 0.0), "optimizer.warmup_steps": (int, 0),
-    "optimizer.name": ("literal", None), "optimizer.schedule": ("literal", None), "optimizer.grad_clip_norm": (float, 0.0),
-    "data.num_examples": (int, 1), "data.num_features": (int, 1), "data.num_classes": (int, 2), "data.source": ("literal", None),
-    "data.length": (int, 1), "data.max_bytes": (int, 0), "data.name": (str, None), "data.split": (str, None),
-    "checkpoint.every": (int, 0), "checkpoint.keep": (int, 0), "checkpoint.resume": ("literal", None),
-    "hardware.peak_tflops": (float, 0.0), "model.hidden": ("int_list", 1), "model.num_classes": (int, 2),
-    "model.activation": ("literal", None), "workdir": (str, None),
+    "train.steps": (int, 1),
+    "train.batch_size": (int, 1),
+    "train.log_every": (int, 1),
+    "train.eval_every": (int, 0),
+    "train.eval_batches": (int, 1),
+    "train.seed": (int, 0),
+    "train.progress": (bool, None),
+    "feed.prefetch": (int, 0),
+    "feed.mode": ("literal", None),
+    "feed.reuse_buffers": (bool, None),
+    "optimizer.learning_rate": (float, 0.0),
+    "optimizer.weight_decay": (float, 0.0),
+    "optimizer.warmup_steps": (int, 0),
+    "optimizer.name": ("literal", None),
+    "optimizer.schedule": ("literal", None),
+    "optimizer.grad_clip_norm": (float, 0.0),
+    "data.num_examples": (int, 1),
+    "data.num_features": (int, 1),
+    "data.num_classes": (int, 2),
+    "data.source": ("literal", None),
+    "data.length": (int, 1),
+    "data.max_bytes": (int, 0),
+    "data.name": (str, None),
+    "data.split": (str, None),
+    "checkpoint.every": (int, 0),
+    "checkpoint.keep": (int, 0),
+    "checkpoint.resume": ("literal", None),
+    "hardware.peak_tflops": (float, 0.0),
+    "model.hidden": ("int_list", 1),
+    "model.num_classes": (int, 2),
+    "model.activation": ("literal", None),
+    "workdir": (str, None),
 }
 SECTIONS = ["data", "feed", "optimizer", "train", "checkpoint", "hardware", "model"]
 
 ident = st.text(string.ascii_lowercase + "_", min_size=1, max_size=10).filter(lambda s: s.isidentifier())
-words = st.text(string.ascii_letters, min_size=1, max_size=8).filter(lambda s: s.lower() not in {"y", "n", "yes", "no", "on", "off", "true", "false", "null"})
+words = st.text(string.ascii_letters, min_size=1, max_size=8).filter(
+    lambda s: s.lower() not in {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}
+)
 
 
 def _wrong_value(kind):
@@ -64,20 +88,38 @@ def _below_min(kind, lo):
     if kind == "int_list":
         return st.integers(-5, lo - 1).map(lambda v: f"[4, {v}]")
     if kind is int:
-        return st.integers(-10**6, lo - 1).map(str)
+        return st.integers(-(10**6), lo - 1).map(str)
     return st.floats(-1e6, lo, exclude_max=True, allow_nan=False).map(repr)
 
 
 @st.composite
 def mutation(draw, tfds_dir):
     """(error class, extra CLI args) of one invalid change to BASE."""
-    kind = draw(st.sampled_from([
-        "unknown_key", "wrong_type", "below_min", "batch_not_divisible", "mesh", "layout",
-        "missing_file", "unknown_name", "data",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "unknown_key",
+                "wrong_type",
+                "below_min",
+                "batch_not_divisible",
+                "mesh",
+                "layout",
+                "missing_file",
+                "unknown_name",
+                "data",
+            ]
+        )
+    )
     if kind == "unknown_key":
         section = draw(st.sampled_from(SECTIONS + [""]))
-        key = draw(ident.filter(lambda k: f"{section}.{k}".strip(".") not in FIELDS and k not in {"name", "mesh", "layout", "model"} | set(SECTIONS)))
+        key = draw(
+            ident.filter(
+                lambda k: (
+                    f"{section}.{k}".strip(".") not in FIELDS
+                    and k not in {"name", "mesh", "layout", "model"} | set(SECTIONS)
+                )
+            )
+        )
         return kind, [f"{section + '.' if section else ''}{key}=1"]
     if kind == "wrong_type":
         key = draw(st.sampled_from(sorted(FIELDS)))
@@ -89,19 +131,39 @@ def mutation(draw, tfds_dir):
     if kind == "batch_not_divisible":
         return kind, [f"train.batch_size={draw(st.integers(1, 200).filter(lambda b: b % 4))}"]
     if kind == "mesh":
-        bad = draw(st.one_of(
-            st.sampled_from(["data", "data:", ":4", "data:4:2", "data:4,data:2", "data:-1,model:-1", ";", ",", "data:4;data:2"]),
-            st.tuples(ident, st.sampled_from(["0", "-2", "x", "1.5", "", "-0"])).map(lambda t: f"data:4,{t[0]}:{t[1]}"),
-            st.tuples(st.sampled_from(["4x", "2-", "a b", "1data"]), st.integers(1, 8)).map(lambda t: f"{t[0]}:{t[1]},model:2"),
-            st.integers(3, 64).filter(lambda n: n not in (4, 8)).map(lambda n: f"data:{n},model:2" if n * 2 > 8 else f"data:{n},model:3"),
-        ))
+        bad = draw(
+            st.one_of(
+                st.sampled_from(
+                    ["data", "data:", ":4", "data:4:2", "data:4,data:2", "data:-1,model:-1", ";", ",", "data:4;data:2"]
+                ),
+                st.tuples(ident, st.sampled_from(["0", "-2", "x", "1.5", "", "-0"])).map(
+                    lambda t: f"data:4,{t[0]}:{t[1]}"
+                ),
+                st.tuples(st.sampled_from(["4x", "2-", "a b", "1data"]), st.integers(1, 8)).map(
+                    lambda t: f"{t[0]}:{t[1]},model:2"
+                ),
+                st.integers(3, 64)
+                .filter(lambda n: n not in (4, 8))
+                .map(lambda n: f"data:{n},model:2" if n * 2 > 8 else f"data:{n},model:3"),
+            )
+        )
         return kind, [f"mesh={bad}"]
     if kind == "layout":
-        bad = draw(st.one_of(
-            ident.filter(lambda a: a not in ("data", "model")).map(lambda a: f"batch:data; hidden:({a},{a})"),
-            st.sampled_from(["batch:data; hidden:model; hidden:data", "batch:data; hidden:data", "batch:model; hidden:model",
-                             "batch:data; hidden", "batch:data; :model", "batch:data; pixels:model; hidden:model"]),
-        ))
+        bad = draw(
+            st.one_of(
+                ident.filter(lambda a: a not in ("data", "model")).map(lambda a: f"batch:data; hidden:({a},{a})"),
+                st.sampled_from(
+                    [
+                        "batch:data; hidden:model; hidden:data",
+                        "batch:data; hidden:data",
+                        "batch:model; hidden:model",
+                        "batch:data; hidden",
+                        "batch:data; :model",
+                        "batch:data; pixels:model; hidden:model",
+                    ]
+                ),
+            )
+        )
         if draw(st.booleans()):
             return kind, [f"layout={bad}"]
         width = draw(st.integers(1, 99).filter(lambda w: w % 2))  # the model axis has 2 devices
@@ -113,20 +175,38 @@ def mutation(draw, tfds_dir):
             return kind, ["--config", f"/nonexistent/{name}.yaml"]
         if which == "tfds":
             return kind, ["data.source=tfds", f"data.name={name}", f"data.data_dir=/nonexistent/{name}"]
-        return kind, ["data.source=text", f"data.corpus_dir=/nonexistent/{name}", "model={name: transformer, d_model: 8, n_heads: 2, d_head: 4, d_ff: 16, n_layers: 1, max_length: 16}", "data.length=16", "layout=batch:data"]
+        return kind, [
+            "data.source=text",
+            f"data.corpus_dir=/nonexistent/{name}",
+            "model={name: transformer, d_model: 8, n_heads: 2, d_head: 4, d_ff: 16, n_layers: 1, max_length: 16}",
+            "data.length=16",
+            "layout=batch:data",
+        ]
     if kind == "unknown_name":
         which = draw(st.sampled_from(["model.name", "data.source", "feed.mode", "optimizer.name"]))
         return kind, [f"{which}=x_{draw(ident)}"]
     # data errors against a real (tiny) tfds dataset
-    base = ["data.source=tfds", "data.name=tiny_digits", f"data.data_dir={tfds_dir}", "data.num_features=64", "layout=batch:data"]
-    bad = draw(st.sampled_from([
-        [f"data.split=x_{draw(ident)}"],
-        [f"data.fields={{inputs: {draw(ident)}, targets: label}}"],
-        ["data.split=train[:0]"],
-        ["data.name=tiny_missing"],
-        ["data.fields={inputs: label, targets: image}"],  # the MLP needs integer scalar targets
-        ["model={name: transformer, d_model: 8, n_heads: 2, d_head: 4, d_ff: 16, n_layers: 1}"],  # float pixels are no tokens
-    ]))
+    base = [
+        "data.source=tfds",
+        "data.name=tiny_digits",
+        f"data.data_dir={tfds_dir}",
+        "data.num_features=64",
+        "layout=batch:data",
+    ]
+    bad = draw(
+        st.sampled_from(
+            [
+                [f"data.split=x_{draw(ident)}"],
+                [f"data.fields={{inputs: {draw(ident)}, targets: label}}"],
+                ["data.split=train[:0]"],
+                ["data.name=tiny_missing"],
+                ["data.fields={inputs: label, targets: image}"],  # the MLP needs integer scalar targets
+                [
+                    "model={name: transformer, d_model: 8, n_heads: 2, d_head: 4, d_ff: 16, n_layers: 1}"
+                ],  # float pixels are no tokens
+            ]
+        )
+    )
     return kind, base + bad
 
 
@@ -161,7 +241,17 @@ def test_fuzz_bad_input_exits_2_with_one_line(paths, capsys):
 
     check()
     assert sum(seen.values()) >= 200
-    assert set(seen) == {"unknown_key", "wrong_type", "below_min", "batch_not_divisible", "mesh", "layout", "missing_file", "unknown_name", "data"}
+    assert set(seen) == {
+        "unknown_key",
+        "wrong_type",
+        "below_min",
+        "batch_not_divisible",
+        "mesh",
+        "layout",
+        "missing_file",
+        "unknown_name",
+        "data",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +269,11 @@ SWEPT = [
     (["train.seed=9223372036854775808"], "train.seed", "64-bit"),
     # step counts are int32 inside the jitted step (optax's schedule counts overflowed there)
     (["optimizer.warmup_steps=2147483648"], "optimizer.warmup_steps", "must be <= 2147483647"),
-    (["optimizer.decay_steps=2147483648", "optimizer.schedule=cosine"], "optimizer.decay_steps", "must be <= 2147483647"),
+    (
+        ["optimizer.decay_steps=2147483648", "optimizer.schedule=cosine"],
+        "optimizer.decay_steps",
+        "must be <= 2147483647",
+    ),
     # float32 overflow in the step (a NaN loss, plus a RuntimeWarning line), and non-finite values
     (["optimizer.learning_rate=1.0e308"], "optimizer.learning_rate", "not a finite float32"),
     (["optimizer.weight_decay=.inf"], "optimizer.weight_decay", "not a finite float32"),
@@ -200,7 +294,11 @@ SWEPT = [
     # tfds without a train split: the source was None (AttributeError)
     (["data.source=tfds", "data.name=x", "data.data_dir=/nonexistent", "data.split=''"], "data.split", "required"),
     # multi-process settings that failed with a traceback or a C++ message
-    (["distributed.num_processes=2", "distributed.coordinator=127.0.0.1"], "distributed.coordinator", "not 'host:port'"),
+    (
+        ["distributed.num_processes=2", "distributed.coordinator=127.0.0.1"],
+        "distributed.coordinator",
+        "not 'host:port'",
+    ),
     (["distributed.num_processes=2", "distributed.coordinator=127.0.0.1:-1"], "distributed.coordinator", "port"),
     (["distributed.num_processes=2", "distributed.process_id=2"], "distributed.process_id", "not below"),
     (["distributed.initialization_timeout=2147483647"], "distributed.initialization_timeout", "must be <= 604800"),
@@ -236,7 +334,9 @@ def test_jax_num_cpu_devices_out_of_range_exits_2_with_one_line(paths, capsys, m
     code = train.main(["--config", str(paths / "base.yaml"), f"workdir={paths / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.count("\n") == 1 and err.startswith(f"config error: mesh: JAX_NUM_CPU_DEVICES='{value}' ") and "256" in err, err
+    assert (
+        err.count("\n") == 1 and err.startswith(f"config error: mesh: JAX_NUM_CPU_DEVICES='{value}' ") and "256" in err
+    ), err
 
 
 def test_process_level_failures_exit_2_with_one_line(paths):
@@ -244,18 +344,30 @@ def test_process_level_failures_exit_2_with_one_line(paths):
     # JAX_NUM_CPU_DEVICES=abc made `import jax` itself raise (a traceback before any meshpar
     # code ran), and a mesh axis named `données` aborted inside XLA's partitioner (exit 134,
     # jax 0.10). Each must now be one line and status 2.
-    script = "\n".join([
-        "import os",
-        "from meshpar import train",  # imports jax while JAX_NUM_CPU_DEVICES=abc
-        f"base = ['--config', {str(paths / 'base.yaml')!r}, 'workdir=' + {str(paths / 'run')!r}]",
-        "print(train.main(base), flush=True)",
-        "del os.environ['JAX_NUM_CPU_DEVICES']",
-        "print(train.main(base + ['mesh=données:4,model:2', 'layout=batch:données; hidden:model']), flush=True)",
-    ])
+    script = "\n".join(
+        [
+            "import os",
+            "from meshpar import train",  # imports jax while JAX_NUM_CPU_DEVICES=abc
+            f"base = ['--config', {str(paths / 'base.yaml')!r}, 'workdir=' + {str(paths / 'run')!r}]",
+            "print(train.main(base), flush=True)",
+            "del os.environ['JAX_NUM_CPU_DEVICES']",
+            "print(train.main(base + ['mesh=données:4,model:2', 'layout=batch:données; hidden:model']), flush=True)",
+        ]
+    )
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "abc", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
-                            cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert result.returncode == 0 and result.stdout.split() == ["2", "2"], (result.returncode, result.stdout, result.stderr[-2000:])
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["2", "2"], (
+        result.returncode,
+        result.stdout,
+        result.stderr[-2000:],
+    )
     first, second = result.stderr.splitlines()
     assert first.startswith("config error: mesh: JAX_NUM_CPU_DEVICES='abc' is not an integer"), first
     assert second.startswith("config error: mesh: axis name 'données' is not an identifier of ASCII"), second

@@ -79,7 +79,7 @@ def _flat(params) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     "fixture, layout",
-    [(f, l) for f in ("untied_f32", "tied_f32", "v4_llama3", "bf16") for l in ("data8", "data2-model4")]
+    [(f, lay) for f in ("untied_f32", "tied_f32", "v4_llama3", "bf16") for lay in ("data8", "data2-model4")]
     + [("untied_f32", "data4-model2")],
 )
 def test_logits_match_transformers(fixture, layout):
@@ -115,7 +115,9 @@ def test_bfloat16_compute_is_no_further_from_float32_than_torchs_own_bfloat16():
 # Round trips
 
 
-@pytest.mark.parametrize("fixture, dtype, shard", [("untied_f32", "float32", 0), ("tied_f32", "float32", 50_000), ("bf16", "bfloat16", 0)])
+@pytest.mark.parametrize(
+    "fixture, dtype, shard", [("untied_f32", "float32", 0), ("tied_f32", "float32", 50_000), ("bf16", "bfloat16", 0)]
+)
 def test_import_export_import_is_bit_identical(tmp_path, fixture, dtype, shard):
     cfg = _cfg(fixture, *LAYOUTS["data2-model4"], param_dtype=dtype)
     params, _ = _load(fixture, cfg)
@@ -206,7 +208,10 @@ def test_a_shard_the_index_names_must_exist_and_hold_its_tensors(tmp_path):
     index = json.loads((folder / reader.INDEX).read_text())
     index["weight_map"]["model.norm.weight"] = "model-00001-of-00004.safetensors"
     (folder / reader.INDEX).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"puts tensor model\.norm\.weight in model-00001-of-00004.safetensors, but it is in model-0000\d"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"puts tensor model\.norm\.weight in model-00001-of-00004.safetensors, but it is in model-0000\d",
+    ):
         reader.Folder(folder)
     (folder / "model-00002-of-00004.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"names shard model-00002-of-00004.safetensors, which .* does not hold"):
@@ -230,12 +235,17 @@ def test_both_config_spellings_read_the_same_fields_and_write_back():
     assert tied["tie_embeddings"] and tied["rope_theta"] == 500000.0 and tied["rms_eps"] == 1e-6
     no_head_dim = json.loads((FIXTURES / "untied_f32" / "config.json").read_text())
     del no_head_dim["head_dim"], no_head_dim["num_key_value_heads"]
-    assert (hf_config.architecture(no_head_dim, "x")["d_head"], hf_config.architecture(no_head_dim, "x")["n_kv_heads"]) == (8, 4)
+    assert (
+        hf_config.architecture(no_head_dim, "x")["d_head"],
+        hf_config.architecture(no_head_dim, "x")["n_kv_heads"],
+    ) == (8, 4)
     for fixture in ("v4_llama3", "tied_f32"):
         model = _cfg(fixture).model
         written = hf_config.to_hf(model)
         assert hf_config.architecture(written, "written") == hf_config.read(FIXTURES / fixture)
-        assert hf_config.architecture({**written, "rope_parameters": None}, "as transformers 4 reads it") == hf_config.read(FIXTURES / fixture)
+        assert hf_config.architecture(
+            {**written, "rope_parameters": None}, "as transformers 4 reads it"
+        ) == hf_config.read(FIXTURES / fixture)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +271,9 @@ def test_config_json_that_meshpar_cannot_compute_is_one_line_naming_the_field(ch
 
 def test_a_model_section_that_differs_from_config_json_names_the_key_and_both_values():
     cfg = _cfg("untied_f32", d_model=64)
-    with pytest.raises(ConfigError, match=r"^model\.d_model: 64 in the config but 32 in .*untied_f32/config\.json \(hidden_size\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.d_model: 64 in the config but 32 in .*untied_f32/config\.json \(hidden_size\)$"
+    ):
         load.open(FIXTURES / "untied_f32", cfg.model)
     cfg = _cfg("untied_f32", rope_factor=2.0)  # not llama3: the factors do not matter
     load.open(FIXTURES / "untied_f32", cfg.model)
@@ -316,7 +328,9 @@ def test_tensors_transformers_skips_are_skipped(tmp_path):
     files = reader.Folder(FIXTURES / "tied_f32")  # three shards, rewritten as one file with lm_head
     arrays = {name: files.read(name) for name in files.tensors}
     arrays["lm_head.weight"] = arrays["model.embed_tokens.weight"]
-    writer.write_file(tied / reader.SINGLE, [writer.Entry(k, v.dtype, v.shape, lambda v=v: v) for k, v in arrays.items()])
+    writer.write_file(
+        tied / reader.SINGLE, [writer.Entry(k, v.dtype, v.shape, lambda v=v: v) for k, v in arrays.items()]
+    )
     assert "lm_head.weight" not in {t.hf for t in load.open(tied, _cfg("tied_f32").model).tensors}
 
 

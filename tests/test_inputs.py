@@ -46,7 +46,9 @@ def _prepare(tmp: Path, tokenizer: str) -> Path:
     """Two packages of the standard library, prepared: a few hundred kB, real code."""
     stdlib = Path(text_lib.stdlib_dir())
     out = tmp / "corpus"
-    corpus_lib.prepare(tokenizer, [str(stdlib / "json"), str(stdlib / "logging")], str(out), workers=1, eval_fraction=0.2)
+    corpus_lib.prepare(
+        tokenizer, [str(stdlib / "json"), str(stdlib / "logging")], str(out), workers=1, eval_fraction=0.2
+    )
     return out
 
 
@@ -97,7 +99,10 @@ def test_two_processes_rows_assembled_by_workers_make_the_one_process_batch(byte
     whole = HostLoader(source, BATCH, seed=3)
     halves = [HostLoader(source, BATCH, seed=3, rows=slice(i * BATCH // 2, (i + 1) * BATCH // 2)) for i in (0, 1)]
     start = whole.batches_per_epoch - 2  # across an epoch's end
-    with WorkerBatches(halves[0], start, start + 4, workers=2) as a, WorkerBatches(halves[1], start, start + 4, workers=1) as b:
+    with (
+        WorkerBatches(halves[0], start, start + 4, workers=2) as a,
+        WorkerBatches(halves[1], start, start + 4, workers=1) as b,
+    ):
         for (step, x), (step_b, y) in zip(a, b):
             assert step == step_b
             np.testing.assert_array_equal(np.concatenate([x["tokens"], y["tokens"]]), whole.batch(step)["tokens"])
@@ -131,7 +136,11 @@ def test_config_and_data_mistakes_are_one_line(byte_corpus, bpe_corpus, tmp_path
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_a_corrupt_token_mid_run_stops_it_naming_the_shard_and_the_last_checkpoint(bpe_corpus, tmp_path, capsys):
@@ -151,8 +160,12 @@ def test_a_corrupt_token_mid_run_stops_it_naming_the_shard_and_the_last_checkpoi
     argv = ["--config", str(path), f"workdir={workdir}", "data.verify=false", "data.workers=2"]
     rc, lines = _main(argv, capsys)
     assert rc == 2 and len(lines) == 1, lines
-    assert re.fullmatch(rf"data error: {re.escape(str(shard))}: .*60000.*; last checkpoint saved: step 4", lines[0]), lines[0]
-    assert kr.committed_steps(workdir / "checkpoints") == [4] and max(kr.logged_steps(workdir)) == 4  # step 5 ran, unsaved
+    assert re.fullmatch(rf"data error: {re.escape(str(shard))}: .*60000.*; last checkpoint saved: step 4", lines[0]), (
+        lines[0]
+    )
+    assert (
+        kr.committed_steps(workdir / "checkpoints") == [4] and max(kr.logged_steps(workdir)) == 4
+    )  # step 5 ran, unsaved
     saved = _tree_digest(workdir / "checkpoints")
     # With verify on (the default), the same shard is refused when the corpus opens, by its checksum.
     rc, lines = _main(["--config", str(path), f"workdir={workdir}", "--resume"], capsys)
@@ -184,7 +197,13 @@ def _grain_workers(pid: int) -> list[int]:
 def test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoint(byte_corpus, tmp_path, env):
     path = _cfg_path(tmp_path, byte_corpus)
     workdir = tmp_path / "run"
-    proc = kr.launch(path, workdir, ["data.workers=2", "train.steps=2000", "checkpoint.every=2", "train.eval_every=0"], resume=False, env=env)
+    proc = kr.launch(
+        path,
+        workdir,
+        ["data.workers=2", "train.steps=2000", "checkpoint.every=2", "train.eval_every=0"],
+        resume=False,
+        env=env,
+    )
     try:
         kr.wait_for_step(proc, workdir, 3, timeout=300)
         deadline = time.monotonic() + 30
@@ -200,12 +219,15 @@ def test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoi
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 2, err[-3000:]
     assert len(lines) == 1 and re.fullmatch(
-        rf"data error: data worker [01] of 2 \(pid {workers[1]}\) .*SIGKILL.* step \d+; last checkpoint saved: step \d+", lines[0]
+        rf"data error: data worker [01] of 2 \(pid {workers[1]}\) .*SIGKILL.* step \d+; last checkpoint saved: step \d+",
+        lines[0],
     ), lines
     saved = int(lines[0].rsplit(" ", 1)[1])
     assert saved >= 2 and kr.committed_steps(workdir / "checkpoints")[-1] == saved
     assert kr.still_running(kr.descendants(proc.pid) + workers, wait=10) == []
     # The run resumes from there, without workers.
-    result = kr.run_to_end(path, workdir, [f"train.steps={saved + 2}", "checkpoint.every=2", "train.eval_every=0"], resume=True, env=env)
+    result = kr.run_to_end(
+        path, workdir, [f"train.steps={saved + 2}", "checkpoint.every=2", "train.eval_every=0"], resume=True, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert max(kr.logged_steps(workdir)) == saved + 2

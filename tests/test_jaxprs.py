@@ -35,7 +35,9 @@ def test_a_scans_parts_length_and_whether_it_runs_as_a_loop():
         assert [v.aval.shape for v in body.outvars] == [(8, 4), ()]
         assert jaxprs.is_rolled(eqn) is rolled
     # the body's matmul runs once per iteration
-    walked = [(jaxprs.op(e), n) for e, n, _ in jaxprs.walk(jax.make_jaxpr(lambda w, x, xs: layers(w, x, xs, 1))(W, X, xs))]
+    walked = [
+        (jaxprs.op(e), n) for e, n, _ in jaxprs.walk(jax.make_jaxpr(lambda w, x, xs: layers(w, x, xs, 1))(W, X, xs))
+    ]
     assert ("scan", 1) in walked and ("dot_general", 5) in walked and ("tanh", 5) in walked
 
 

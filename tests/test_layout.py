@@ -68,8 +68,14 @@ def mesh():
         ("batch : ( replica , data ).d_ff:model", (("batch", ("replica", "data")), ("d_ff", "model"))),
         (
             "ensemble:ensemble,batch:batch,d_ff:model,heads:model,vocab:model,experts:batch",
-            (("ensemble", "ensemble"), ("batch", "batch"), ("d_ff", "model"), ("heads", "model"), ("vocab", "model"),
-             ("experts", "batch")),
+            (
+                ("ensemble", "ensemble"),
+                ("batch", "batch"),
+                ("d_ff", "model"),
+                ("heads", "model"),
+                ("vocab", "model"),
+                ("experts", "batch"),
+            ),
         ),  # fmt: skip
     ],
 )

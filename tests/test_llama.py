@@ -24,8 +24,8 @@ from meshpar import mesh as mesh_lib
 from meshpar.config import ConfigError
 from meshpar.inputs import batch_shardings
 from meshpar.models import MODELS
-from meshpar.plan import __main__ as plan_cli
 from meshpar.models.llama import LlamaConfig, build, flops_per_token, layout_rules, num_params
+from meshpar.plan import __main__ as plan_cli
 
 VOCAB = {"batch", "length", "embed", "heads", "kv_heads", "kv", "d_ff", "vocab", "layers"}
 LENGTH, BATCH, V = 32, 8, 256
@@ -175,7 +175,9 @@ def _under(name: str):
     layout = layout_lib.Layout.create(derived, sizes, params=params_rules)
     graphdef, params = nnx.split(build(cfg, SPEC, nnx.Rngs(0)))
     params = jax.device_put(params, trainer.tree_shardings(params, layout.params, mesh))
-    batch = {k: jax.device_put(v, s) for (k, v), s in zip(_batch().items(), batch_shardings(SPEC, layout, mesh).values())}
+    batch = {
+        k: jax.device_put(v, s) for (k, v), s in zip(_batch().items(), batch_shardings(SPEC, layout, mesh).values())
+    }
     with layout_lib.activate(layout, mesh):
         loss, grads = jax.jit(jax.value_and_grad(lambda p, b: nnx.merge(graphdef, p).loss(b)[0]))(params, batch)
     return params, float(loss), np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])

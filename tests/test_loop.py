@@ -26,8 +26,15 @@ def _cfg(workdir, sync: bool, train=(), checkpoint=None, **top):
         "layout": "batch:data; hidden:model",
         "model": {"name": "mlp", "hidden": [64, 32]},
         "data": {"num_examples": 1024, "num_eval_examples": 64, "num_features": 48},
-        "train": {"steps": STEPS, "batch_size": 32, "log_every": 1, "eval_batches": 1, "progress": False,
-                  "sync_every_step": sync, **dict(train)},
+        "train": {
+            "steps": STEPS,
+            "batch_size": 32,
+            "log_every": 1,
+            "eval_batches": 1,
+            "progress": False,
+            "sync_every_step": sync,
+            **dict(train),
+        },
         "workdir": str(workdir),
         **top,
     }
@@ -81,7 +88,9 @@ def test_lagged_loop_is_bit_identical_to_waiting_for_every_step_and_syncs_only_w
         workdir = tmp_path / ("sync" if sync else "lagged")
         exp = experiment.build(_cfg(workdir, sync, {"eval_every": EVAL_EVERY}, {"every": SAVE_EVERY}))
         rows_at_dispatch = {}
-        _record_dispatches(exp, lambda s, w=workdir, r=rows_at_dispatch: r.__setitem__(s, len(read_jsonl(w / "metrics.jsonl"))))
+        _record_dispatches(
+            exp, lambda s, w=workdir, r=rows_at_dispatch: r.__setitem__(s, len(read_jsonl(w / "metrics.jsonl")))
+        )
         summary = loop.train(exp)
         runs[sync] = exp, summary, read_jsonl(workdir / "metrics.jsonl"), rows_at_dispatch
     (sync_exp, sync_summary, sync_rows, sync_seen), (exp, summary, rows, seen) = runs[True], runs[False]
@@ -147,7 +156,9 @@ def test_the_nan_guard_names_the_first_non_finite_step_and_never_saves_one(tmp_p
         messages[sync] = str(failed.value)
         assert exp.checkpointer.steps() == [3]
     assert messages[False] == messages[True]
-    assert messages[False].startswith("step 5: loss is nan") and messages[False].endswith("; last good checkpoint: step 3")
+    assert messages[False].startswith("step 5: loss is nan") and messages[False].endswith(
+        "; last good checkpoint: step 3"
+    )
 
 
 @pytest.fixture
@@ -158,10 +169,16 @@ def own_compile_cache(tmp_path, monkeypatch):
     compile_cache.configure(config.CompileCacheConfig())  # the environment's folder again
 
 
-def test_profile_traces_exactly_its_steps_and_the_compile_cache_fills_its_folder(tmp_path, monkeypatch, own_compile_cache):
+def test_profile_traces_exactly_its_steps_and_the_compile_cache_fills_its_folder(
+    tmp_path, monkeypatch, own_compile_cache
+):
     monkeypatch.delenv(compile_cache.DIR_ENV)  # the session's minimum compile time (0 s) stays
-    cfg = _cfg(tmp_path / "run", False, {"steps": 6, "profile": {"start": 3, "steps": 2}},
-               compile_cache={"dir": str(own_compile_cache)})
+    cfg = _cfg(
+        tmp_path / "run",
+        False,
+        {"steps": 6, "profile": {"start": 3, "steps": 2}},
+        compile_cache={"dir": str(own_compile_cache)},
+    )
     exp = experiment.build(cfg)
     loop.train(exp)
     traces = list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
@@ -170,13 +187,19 @@ def test_profile_traces_exactly_its_steps_and_the_compile_cache_fills_its_folder
     events = json.loads(gzip.decompress(perfetto.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     # Every op the step ran carries its program and run: two runs of the train step, 3 and 4.
-    runs = {e["args"]["run_id"] for e in events if (e.get("args") or {}).get("hlo_module") == f"jit_{exp.train_step.__name__}"}
+    runs = {
+        e["args"]["run_id"]
+        for e in events
+        if (e.get("args") or {}).get("hlo_module") == f"jit_{exp.train_step.__name__}"
+    }
     assert len(runs) == 2
     assert any(n.startswith(f"jit_{exp.train_step.__name__}-") for n in os.listdir(own_compile_cache))
 
 
 def test_profile_and_cache_mistakes_are_one_line_config_errors(tmp_path, monkeypatch, own_compile_cache):
-    with pytest.raises(config.ConfigError, match=r"^train\.profile\.start: step 13 is past train\.steps 12: nothing would be traced$"):
+    with pytest.raises(
+        config.ConfigError, match=r"^train\.profile\.start: step 13 is past train\.steps 12: nothing would be traced$"
+    ):
         _cfg(tmp_path, False, {"profile": {"start": 13, "steps": 1}})
     monkeypatch.delenv(compile_cache.DIR_ENV)
     (tmp_path / "file").write_text("")
@@ -198,13 +221,21 @@ def test_a_profile_window_past_the_run_says_what_is_traced(tmp_path, capsys):
     assert len(traces) == 1  # as said: the trace of steps 3 and 4
     events = json.loads(gzip.decompress((traces[0].parent / "perfetto_trace.json.gz").read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    runs = {e["args"]["run_id"] for e in events if (e.get("args") or {}).get("hlo_module") == f"jit_{exp.train_step.__name__}"}
+    runs = {
+        e["args"]["run_id"]
+        for e in events
+        if (e.get("args") or {}).get("hlo_module") == f"jit_{exp.train_step.__name__}"
+    }
     assert len(runs) == 2
 
     def said(resumed_at, **profile):  # of an 8-step run resumed from step `resumed_at`
-        return loop.notices(dataclasses.replace(exp, cfg=_cfg(tmp_path, False, {"steps": 8, "profile": profile})), resumed_at)
+        return loop.notices(
+            dataclasses.replace(exp, cfg=_cfg(tmp_path, False, {"steps": 8, "profile": profile})), resumed_at
+        )
 
-    assert said(4, start=2, steps=2) == ["profile: train.profile asks for steps 2..3 but this run resumes at step 5: nothing is traced"]
+    assert said(4, start=2, steps=2) == [
+        "profile: train.profile asks for steps 2..3 but this run resumes at step 5: nothing is traced"
+    ]
     assert said(4, start=3, steps=9) == [
         "profile: train.profile asks for steps 3..11 but this run resumes at step 5 and the run ends at step 8 (train.steps): "
         "tracing steps 5..8"

@@ -251,8 +251,15 @@ def test_build_mesh_on_accelerators_must_use_every_device(monkeypatch):
 # describe
 
 
-@pytest.mark.parametrize("spec, text", [("data:4,model:2", "data:4,model:2"), ("data:-1,model:2", "data:4,model:2"),
-                                        ("model:2,data:-1", "model:2,data:4"), ("data:8", "data:8")])
+@pytest.mark.parametrize(
+    "spec, text",
+    [
+        ("data:4,model:2", "data:4,model:2"),
+        ("data:-1,model:2", "data:4,model:2"),
+        ("model:2,data:-1", "model:2,data:4"),
+        ("data:8", "data:8"),
+    ],
+)
 def test_describe(spec, text):
     mesh = build_mesh(spec)
     assert describe(mesh) == text
@@ -306,12 +313,17 @@ def test_parse_mesh_axis_count_limit():
 # Simulated CPU devices: JAX_NUM_CPU_DEVICES and MAX_CPU_DEVICES
 
 
-@pytest.mark.parametrize("value, expected", [("1", 1), (" 16 ", 16), ("+8", 8), (str(mesh_lib.MAX_CPU_DEVICES), mesh_lib.MAX_CPU_DEVICES)])
+@pytest.mark.parametrize(
+    "value, expected", [("1", 1), (" 16 ", 16), ("+8", 8), (str(mesh_lib.MAX_CPU_DEVICES), mesh_lib.MAX_CPU_DEVICES)]
+)
 def test_cpu_devices_from_env(value, expected):
     assert mesh_lib.cpu_devices_from_env(value) == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "", "1.5", "8 devices", "0", "-1", "-8", str(mesh_lib.MAX_CPU_DEVICES + 1), "100000", "9" * 30, "a\nb"])
+@pytest.mark.parametrize(
+    "value",
+    ["abc", "", "1.5", "8 devices", "0", "-1", "-8", str(mesh_lib.MAX_CPU_DEVICES + 1), "100000", "9" * 30, "a\nb"],
+)
 def test_cpu_devices_from_env_rejects(value):
     with pytest.raises(MeshError) as e:
         mesh_lib.cpu_devices_from_env(value)

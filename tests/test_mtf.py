@@ -153,7 +153,8 @@ def test_unused_rules_names_dims_and_axes():
     })  # fmt: skip
     step = parts.abstract_step(cfg, parts.make_mesh(cfg), TRANSFORMER_SPEC)
     assert parts.unused_rules(cfg, step.mesh, step.plan) == [
-        LAYOUT_LINE, "param_layout: unused rules (the mesh has no axis replica)"
+        LAYOUT_LINE,
+        "param_layout: unused rules (the mesh has no axis replica)",
     ]
     # What a layout can apply to: every parameter's dims and every activation's the model constrains.
     assert step.plan.dims == TRANSFORMER_DIMS

@@ -34,8 +34,11 @@ train: {steps: 12, batch_size: 64, log_every: 1, progress: false}
 hardware: {peak_tflops: 1.0}  # for MFU only; skips measuring this CPU's matmul rate (~3 s a run)
 """
 # Short distributed timeouts: a test that goes wrong fails in seconds, not minutes.
-FAST = ("distributed.initialization_timeout=30", "distributed.heartbeat_timeout_seconds=5",
-        "distributed.shutdown_timeout_seconds=10")
+FAST = (
+    "distributed.initialization_timeout=30",
+    "distributed.heartbeat_timeout_seconds=5",
+    "distributed.shutdown_timeout_seconds=10",
+)
 EVERY = 4  # checkpoint cadence of the reference run and of the killed one
 STOPPED = r"stopped by SIGTERM at step (\d+); checkpoint saved at step (\d+)"
 
@@ -51,10 +54,26 @@ def launch(path, workdir, *overrides, env, each=((), ()), resume=False) -> list[
     port = free_port()
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "meshpar.train", "--config", str(path), f"workdir={workdir}", *FAST, *overrides,
-             "distributed.num_processes=2", f"distributed.process_id={i}", f"distributed.coordinator=127.0.0.1:{port}",
-             *each[i], *(["--resume"] if resume else [])],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "meshpar.train",
+                "--config",
+                str(path),
+                f"workdir={workdir}",
+                *FAST,
+                *overrides,
+                "distributed.num_processes=2",
+                f"distributed.process_id={i}",
+                f"distributed.coordinator=127.0.0.1:{port}",
+                *each[i],
+                *(["--resume"] if resume else []),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for i in range(2)
     ]

@@ -52,10 +52,14 @@ def _loss_and_grads(model_cfg, layout_text, sched, params, batch, graphdef, mesh
 )
 def test_the_pipelined_stack_gives_the_sequential_loss_and_gradients(family, kind, repeats, micro, param_layout):
     if family == "transformer":
-        cfg = transformer.TransformerConfig(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=8, vocab_size=64, max_length=16)
+        cfg = transformer.TransformerConfig(
+            d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=8, vocab_size=64, max_length=16
+        )
         module = transformer
     else:
-        cfg = llama.LlamaConfig(d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=8, vocab_size=64, max_length=16)
+        cfg = llama.LlamaConfig(
+            d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=8, vocab_size=64, max_length=16
+        )
         module = llama
     graphdef, params = nnx.split(module.build(cfg, {"tokens": ((17,), np.uint8)}, nnx.Rngs(1)))
     batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 17)), jnp.uint8)}
@@ -65,11 +69,15 @@ def test_the_pipelined_stack_gives_the_sequential_loss_and_gradients(family, kin
     reorder = pipeline.Reorder(sched)
     assert reorder.identity == (repeats == 1)
     loss0, grads0 = _loss_and_grads(cfg, FLAT, None, params, batch, graphdef, mesh, param_layout)
-    loss1, grads1 = _loss_and_grads(cfg, f"layers:stage; {FLAT}", sched, reorder.to_stored(params), batch, graphdef, mesh, param_layout)
+    loss1, grads1 = _loss_and_grads(
+        cfg, f"layers:stage; {FLAT}", sched, reorder.to_stored(params), batch, graphdef, mesh, param_layout
+    )
     grads1 = reorder.to_canonical(grads1)
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
     for (path, g0), g1 in zip(jax.tree_util.tree_flatten_with_path(grads0)[0], jax.tree.leaves(grads1)):
-        np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g1), np.asarray(g0), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_stored_order_puts_each_stages_groups_in_its_slice():
@@ -114,7 +122,11 @@ def test_training_follows_the_layout_without_a_stage_axis_in_both_feed_modes_as_
         "flat": [f"layout={FLAT}"],
     }
     for name, extra in runs.items():
-        train.run(config.load(EXPERIMENT, ["train.progress=false", "checkpoint.every=20", f"workdir={tmp_path / name}", *extra]))
+        train.run(
+            config.load(
+                EXPERIMENT, ["train.progress=false", "checkpoint.every=20", f"workdir={tmp_path / name}", *extra]
+            )
+        )
     direct, routed, flat = (_losses(tmp_path / n) for n in runs)
     assert direct == routed  # bit-identical: the feed places the same arrays
     steps = sorted(flat)
@@ -143,7 +155,9 @@ def test_checkpoints_move_between_pipelined_and_flat_layouts_both_ways(tmp_path)
         for name, extra in (("flat", [f"layout={FLAT}"]), ("circular", circular))
     }
     # Evaluation runs the stored order through the pipeline too (the pre-flight's compiled eval step).
-    np.testing.assert_allclose(summaries["circular"]["final_eval_loss"], summaries["flat"]["final_eval_loss"], rtol=RTOL)
+    np.testing.assert_allclose(
+        summaries["circular"]["final_eval_loss"], summaries["flat"]["final_eval_loss"], rtol=RTOL
+    )
     # The saved states agree leaf by leaf at step 6 (canonical order in both).
     a, step_a, _ = kr.load_state(EXPERIMENT, tmp_path / "flat", [f"layout={FLAT}"])
     b, step_b, _ = kr.load_state(EXPERIMENT, tmp_path / "circular", [f"layout={FLAT}"])
@@ -158,7 +172,11 @@ def test_checkpoints_move_between_pipelined_and_flat_layouts_both_ways(tmp_path)
             if d.name == "6":
                 shutil.rmtree(d)
         (moved / "metrics.jsonl").write_text(
-            "".join(line + "\n" for line in (moved / "metrics.jsonl").read_text().splitlines() if json.loads(line).get("step", 0) <= 3)
+            "".join(
+                line + "\n"
+                for line in (moved / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line).get("step", 0) <= 3
+            )
         )
         train.run(config.load(EXPERIMENT, [*common, f"workdir={moved}", "checkpoint.resume=auto", *extra]))
         resumed, reference = _losses(moved), _losses(tmp_path / "flat")
@@ -169,7 +187,11 @@ def test_checkpoints_move_between_pipelined_and_flat_layouts_both_ways(tmp_path)
 @pytest.mark.parametrize(
     "overrides, key, words",
     [
-        (["pipeline.schedule=circular", "pipeline.repeats=4"], "model.n_layers", "4 layers do not split evenly into 2 stages × 4 repeats"),
+        (
+            ["pipeline.schedule=circular", "pipeline.repeats=4"],
+            "model.n_layers",
+            "4 layers do not split evenly into 2 stages × 4 repeats",
+        ),
         (["model.n_layers=3"], "model.n_layers", "3 layers do not split evenly into 2 stages"),
         (["pipeline.schedule=circular", "train.microbatches=1"], "train.microbatches", "fewer than the 2 stages"),
         (["pipeline.repeats=2"], "pipeline.repeats", "need pipeline.schedule: circular"),

@@ -52,7 +52,9 @@ def test_params_optimizer_and_inputs_are_the_bytes_of_the_real_shards(tmp_path, 
         peak = ex.inputs.feeder.memory_report()["peak_input_bytes"][str(relay.id)]
     assert plan.categories["inputs"] == one_batch  # the step's own batch
     assert plan.categories["queued_inputs"] == one_batch * (cfg.feed.prefetch + 1)  # prefetched + one dispatched step's
-    if cfg.feed.mode == "routed":  # the relay's staging copy of the whole batch and its slices, as the feeder counts them
+    if (
+        cfg.feed.mode == "routed"
+    ):  # the relay's staging copy of the whole batch and its slices, as the feeder counts them
         assert plan.categories["relay_inputs"] == peak - one_batch
     else:
         assert "relay_inputs" not in plan.categories
@@ -112,8 +114,11 @@ def test_an_absurd_layer_is_planned_in_seconds_without_allocating(env):
 
 @pytest.mark.parametrize(
     "path, overrides",
-    [("experiments/mlp_data_parallel.yaml", TINY_MLP), ("experiments/quickstart.yaml", TINY_TRANSFORMER),
-     ("experiments/llama_tiny.yaml", TINY_LLAMA)],
+    [
+        ("experiments/mlp_data_parallel.yaml", TINY_MLP),
+        ("experiments/quickstart.yaml", TINY_TRANSFORMER),
+        ("experiments/llama_tiny.yaml", TINY_LLAMA),
+    ],
 )
 def test_the_step_estimate_is_within_ten_percent_of_xla(path, overrides):
     # data parallel MLP: the peak is the update (gradients beside their all-reduced copy);
@@ -270,8 +275,11 @@ def test_gradients_are_held_together_only_when_the_update_needs_them_together():
     plan = memory.analytic(cfg)
     # no clipping, nothing summed or re-placed: each gradient updates its parameter as it is produced
     assert plan.categories["grads"] == 48 * 64 // 8 * 4  # the largest: the [48, 64] kernel's shard
-    clipped = memory.analytic(config.load(cfg_path := "experiments/mlp_model_parallel.yaml",
-                                          [*TINY_MLP, *one_by_one, "optimizer.grad_clip_norm=1.0"]))
+    clipped = memory.analytic(
+        config.load(
+            cfg_path := "experiments/mlp_model_parallel.yaml", [*TINY_MLP, *one_by_one, "optimizer.grad_clip_norm=1.0"]
+        )
+    )
     assert clipped.categories["grads"] == clipped.categories["params"]  # the global norm needs every one
     summed = memory.analytic(config.load(cfg_path, TINY_MLP))  # data:4: the devices sum every gradient
     assert summed.categories["grads"] == summed.categories["params"]
@@ -289,18 +297,34 @@ def test_microbatches_hold_the_batch_in_microbatch_major_order():
     "overrides",
     [
         # data parallel, SGD: the first kernel's gradient is produced after every residual has died
-        ["mesh=data:8", "layout=batch:data", "model.hidden=[1024]", "data.num_features=256", "train.batch_size=1024",
-         "model.remat=dots", "optimizer.name=sgd", "model.activation=tanh"],
+        [
+            "mesh=data:8",
+            "layout=batch:data",
+            "model.hidden=[1024]",
+            "data.num_features=256",
+            "train.batch_size=1024",
+            "model.remat=dots",
+            "optimizer.name=sgd",
+            "model.activation=tanh",
+        ],
         # Mesh TensorFlow's mnist layout, AdamW: each gradient applied as it is produced, beside its square
-        ["mesh=b1:2,b2:2", "layout=pixels:(b1,b2)", "model.hidden=[512,512]", "data.num_features=784",
-         "train.batch_size=200", "optimizer.name=adamw"],
+        [
+            "mesh=b1:2,b2:2",
+            "layout=pixels:(b1,b2)",
+            "model.hidden=[512,512]",
+            "data.num_features=784",
+            "train.batch_size=200",
+            "optimizer.name=adamw",
+        ],
     ],
 )
 def test_residuals_die_in_reverse_order_as_the_gradients_are_produced(overrides):
     # counting every residual beside every gradient and the largest cotangent reads ~12% high on
     # the first; leaving out the square AdamW writes out for the gradient norm, ~15% low on the second
-    cfg = config.load("experiments/mlp_data_parallel.yaml", [*overrides, "data.num_examples=2048",
-                                                              "data.num_eval_examples=0", "train.eval_every=0"])
+    cfg = config.load(
+        "experiments/mlp_data_parallel.yaml",
+        [*overrides, "data.num_examples=2048", "data.num_eval_examples=0", "train.eval_every=0"],
+    )
     step = parts.abstract_step(cfg)
     c = memory.analytic(cfg, step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
@@ -324,14 +348,34 @@ def test_an_update_holds_what_it_shares_with_the_gradient_norm():
     [
         # a layer loop run as a loop: its backward slices each iteration's matmul-read residuals
         # out of their stacks into buffers of their own (~19% low without them)
-        ["model.scan_unroll=1", "model.n_layers=2", "mesh=data:2", "layout=batch:data", "model.n_heads=4",
-         "model.d_head=32", "model.d_ff=256", "model.max_length=64", "data.length=64"],
+        [
+            "model.scan_unroll=1",
+            "model.n_layers=2",
+            "mesh=data:2",
+            "layout=batch:data",
+            "model.n_heads=4",
+            "model.d_head=32",
+            "model.d_ff=256",
+            "model.max_length=64",
+            "data.length=64",
+        ],
         # the same under FSDP with remat: the stacked weights' transposed-layout copy, hoisted out
         # of the loops, and one layer's gathered copies per iteration (~19% low without them)
-        ["mesh=data:4,model:2", "layout=batch:data; d_ff:model; heads:model; vocab:model", "model.d_model=64",
-         "model.n_heads=16", "model.d_head=32", "model.d_ff=1024", "model.n_layers=4", "data.length=64",
-         "model.max_length=64", "train.batch_size=32", "train.microbatches=4", "model.remat=full",
-         "param_layout=embed:data"],
+        [
+            "mesh=data:4,model:2",
+            "layout=batch:data; d_ff:model; heads:model; vocab:model",
+            "model.d_model=64",
+            "model.n_heads=16",
+            "model.d_head=32",
+            "model.d_ff=1024",
+            "model.n_layers=4",
+            "data.length=64",
+            "model.max_length=64",
+            "train.batch_size=32",
+            "train.microbatches=4",
+            "model.remat=full",
+            "param_layout=embed:data",
+        ],
     ],
 )
 def test_a_layer_loop_run_as_a_loop_holds_one_iterations_slices_and_gathers(extra):
@@ -362,7 +406,7 @@ SPLIT_K_HLO = _lone_matmul_hlo(
 )
 CUBLAS_HLO = _lone_matmul_hlo(
     "%transpose = f32[64,8192]{1,0} fusion(%p1), kind=kLoop, calls=%t",
-    '%cublas-lt-matmul = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%p0, %transpose), '
+    "%cublas-lt-matmul = (f32[64,64]{1,0}, s8[4194304]{0}) custom-call(%p0, %transpose), "
     'custom_call_target="__cublas$lt$matmul"',
     "ROOT %gte = f32[64,64]{1,0} get-tuple-element(%cublas-lt-matmul), index=0",
 )

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from input_pipeline.feeding import RoutedFeeder
-
 from meshpar import config, parts
 from meshpar.plan import programs
 from meshpar.plan import report as report_lib

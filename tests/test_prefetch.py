@@ -179,7 +179,9 @@ def test_buffers_are_reused_when_placement_copies():
     assert not any(info.aliased for _, info in placed)
     assert loader.allocated == 1
     for step, (arrays, _) in enumerate(placed):
-        np.testing.assert_array_equal(np.asarray(arrays["targets"]), loader.source.read(loader.indices(step))["targets"])
+        np.testing.assert_array_equal(
+            np.asarray(arrays["targets"]), loader.source.read(loader.indices(step))["targets"]
+        )
 
 
 @pytest.mark.parametrize("data", [2, 4, 8])
@@ -214,7 +216,9 @@ def test_losses_are_bit_identical_across_modes_and_depths(tmp_path):
     results = {}
     for mode in ("direct", "routed"):
         for depth in (0, 1, 3):
-            cfg = dataclasses.replace(_quick(feed={"mode": mode, "prefetch": depth}), workdir=str(tmp_path / f"{mode}{depth}"))
+            cfg = dataclasses.replace(
+                _quick(feed={"mode": mode, "prefetch": depth}), workdir=str(tmp_path / f"{mode}{depth}")
+            )
             summary = train.run(cfg)
             results[mode, depth] = [r["loss"] for r in read_jsonl(tmp_path / f"{mode}{depth}" / "metrics.jsonl")]
             assert 0 <= summary["stall_fraction"] < 1

@@ -78,7 +78,9 @@ def test_extending_a_run_keeps_its_schedule(tmp_path):
     assert extended.resumed_from == 8 and extended.record["decay_steps"] == 8
     summary = loop.train(extended)
     assert summary["decay_steps"] == 8 and summary["resumed_from"] == 8
-    fixed = experiment.build(_cfg(tmp_path / "fixed", optimizer={"schedule": "cosine", "warmup_steps": 2, "decay_steps": 8}))
+    fixed = experiment.build(
+        _cfg(tmp_path / "fixed", optimizer={"schedule": "cosine", "warmup_steps": 2, "decay_steps": 8})
+    )
     loop.train(fixed)
     for a, b in zip(_state_leaves(fixed), _state_leaves(extended), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -122,10 +124,14 @@ def test_resume_refuses_a_changed_run_setting_in_one_line(finished, tmp_path, ch
 def test_allow_changes_lets_a_named_setting_change_and_keeps_the_rest_guarded(finished, tmp_path):
     shutil.copytree(finished, tmp_path / "run")
     allowed = {"resume": "auto", "allow_changes": ["optimizer.learning_rate"]}
-    exp = experiment.build(_cfg(tmp_path / "run", optimizer={"learning_rate": 0.01}, train={"steps": 14}, checkpoint=allowed))
+    exp = experiment.build(
+        _cfg(tmp_path / "run", optimizer={"learning_rate": 0.01}, train={"steps": 14}, checkpoint=allowed)
+    )
     assert exp.resumed_from == 12 and exp.record["config"]["optimizer.learning_rate"] == 0.01
     loop.train(exp)  # its checkpoints record the new rate: the next resume keeps it
-    again = experiment.build(_cfg(tmp_path / "run", optimizer={"learning_rate": 0.01}, train={"steps": 14}, checkpoint={"resume": "auto"}))
+    again = experiment.build(
+        _cfg(tmp_path / "run", optimizer={"learning_rate": 0.01}, train={"steps": 14}, checkpoint={"resume": "auto"})
+    )
     assert again.resumed_from == 14
     with pytest.raises(config.ConfigError, match=r"^train.seed: 5 but"):
         experiment.build(_cfg(tmp_path / "run", train={"seed": 5}, checkpoint=allowed))
@@ -148,7 +154,9 @@ def twelve_steps_decaying_over_eight(tmp_path_factory):
 
 @pytest.mark.parametrize("longer", [False, True], ids=["same-horizon", "longer-horizon"])
 @pytest.mark.parametrize("check", [True, False], ids=["preflight", "no-preflight"])
-def test_resume_with_or_without_the_preflight_on_the_same_or_a_longer_horizon(tmp_path, twelve_steps_decaying_over_eight, check, longer):
+def test_resume_with_or_without_the_preflight_on_the_same_or_a_longer_horizon(
+    tmp_path, twelve_steps_decaying_over_eight, check, longer
+):
     # A first launch of 8 steps (its schedule decays over 8) saves steps 4 and 8; the relaunch
     # goes on from step 4 to 8 (same horizon), or from step 8 to 12 (`--resume train.steps=12`:
     # the schedule keeps its 8). plan.check=false once ended here in a KeyError.

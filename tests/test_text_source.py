@@ -87,9 +87,17 @@ def test_token_dtype_is_the_narrowest_that_holds_the_vocabulary():
     w = TextWindows(ids, 10, vocab_size=1000)
     assert w.element_spec == {"tokens": ((11,), np.dtype(np.uint16))}
     np.testing.assert_array_equal(w.read(np.array([3]))["tokens"][0], ids[30:41])
-    _one_line_error(r"token ids span \[0, 999\], outside the vocabulary \[0, 512\)", TextWindows, ids, 10, vocab_size=512)
+    _one_line_error(
+        r"token ids span \[0, 999\], outside the vocabulary \[0, 512\)", TextWindows, ids, 10, vocab_size=512
+    )
     _one_line_error("must be integers", TextWindows, ids.astype(np.float32), 10, vocab_size=1000)
-    _one_line_error(r"span \[10, 122\], outside the vocabulary \[0, 100\)", TextWindows, tokenize_bytes([b"az"] * 6), 4, vocab_size=100)
+    _one_line_error(
+        r"span \[10, 122\], outside the vocabulary \[0, 100\)",
+        TextWindows,
+        tokenize_bytes([b"az"] * 6),
+        4,
+        vocab_size=100,
+    )
 
 
 def test_stdlib_split_by_file_disjoint_and_complete():

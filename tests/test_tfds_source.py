@@ -203,8 +203,18 @@ def beside(data_dir) -> str:
 
 @pytest.mark.parametrize(
     "name",
-    ["../../etc", "..", "../tfds0", "/etc", "tiny_digits/..", "tiny_digits/../..", "~", "tiny_digits\\..",
-     "tiny_digits/data_dir=/etc", "tiny_digits:1.0.0/data_dir=.."],
+    [
+        "../../etc",
+        "..",
+        "../tfds0",
+        "/etc",
+        "tiny_digits/..",
+        "tiny_digits/../..",
+        "~",
+        "tiny_digits\\..",
+        "tiny_digits/data_dir=/etc",
+        "tiny_digits:1.0.0/data_dir=..",
+    ],
 )
 def test_a_name_that_is_a_path_is_refused_without_looking_outside_data_dir(data_dir, beside, name):
     msg = _err(data_dir, name=name)
@@ -228,7 +238,9 @@ def test_a_name_that_does_not_resolve_says_which_folder_was_looked_for(data_dir,
         f"dataset 'tiny_digits/cfg:1.0.0' not found: no folder tiny_digits/cfg in data_dir {data_dir} (tiny_digits/ holds: 1.0.0)"
     )
     msg = _err(data_dir, name="ghost")  # a folder, but no dataset in it: tfds's own first line
-    assert msg.startswith(f"cannot load dataset 'ghost' from data_dir {data_dir}: ") and msg.endswith(" (ghost/ holds: no folders)")
+    assert msg.startswith(f"cannot load dataset 'ghost' from data_dir {data_dir}: ") and msg.endswith(
+        " (ghost/ holds: no folders)"
+    )
 
 
 def test_a_path_as_data_name_is_a_config_error_before_any_source_is_made(data_dir):

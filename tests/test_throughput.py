@@ -63,7 +63,13 @@ def test_float32_follows_the_global_matmul_precision():
 @pytest.mark.parametrize(
     "kind, platform, dtype, precision, message",
     [
-        ("NVIDIA GeForce RTX 4090", "gpu", "bfloat16", "default", "no built-in peak for gpu device 'NVIDIA GeForce RTX 4090'"),
+        (
+            "NVIDIA GeForce RTX 4090",
+            "gpu",
+            "bfloat16",
+            "default",
+            "no built-in peak for gpu device 'NVIDIA GeForce RTX 4090'",
+        ),
         ("TPU v4", "tpu", "bfloat16", "default", "no built-in peak for tpu device 'TPU v4'"),
         ("NVIDIA H100 80GB HBM3", "gpu", "float32", "F64_F64_F64", "jax_default_matmul_precision='F64_F64_F64'"),
     ],

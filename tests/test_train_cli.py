@@ -27,7 +27,10 @@ def _cli(tmp_path, *overrides, config=TINY):
     env.pop("JAX_NUM_CPU_DEVICES", None)
     return subprocess.run(
         [sys.executable, "-m", "meshpar.train", "--config", str(path), f"workdir={tmp_path / 'run'}", *overrides],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
@@ -63,12 +66,24 @@ def test_cli_routed_writes_the_same_losses(tmp_path):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model.hidden=[66,32]"], r"config error: layout: dim 'hidden' of parameter layers/0/\w+ \(.*\) has size 66, not divisible by mesh axis 'model' of size 4$"),
+        (
+            ["model.hidden=[66,32]"],
+            r"config error: layout: dim 'hidden' of parameter layers/0/\w+ \(.*\) has size 66, not divisible by mesh axis 'model' of size 4$",
+        ),
         (["train.bogus=1"], r"config error: train\.bogus: unknown key \(known: steps, batch_size"),
         (["feed.mode=sideways"], r"config error: feed\.mode: 'sideways' is not one of: direct, routed$"),
-        (["param_layout=nosuchdim:data"], r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(this model's parameters have no dim nosuchdim; the parameters' dims: classes, hidden, hidden_2, pixels\)$"),
-        (["param_layout=hidden:nowhere"], r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(the mesh has no axis nowhere; "),
-        (["mesh=model:3,data:-1"], r"config error: mesh: axis 'data' = -1: 8 devices do not divide by the other axes' 3$"),
+        (
+            ["param_layout=nosuchdim:data"],
+            r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(this model's parameters have no dim nosuchdim; the parameters' dims: classes, hidden, hidden_2, pixels\)$",
+        ),
+        (
+            ["param_layout=hidden:nowhere"],
+            r"config error: param_layout: none of its rules applies to a parameter, so it would split nothing \(the mesh has no axis nowhere; ",
+        ),
+        (
+            ["mesh=model:3,data:-1"],
+            r"config error: mesh: axis 'data' = -1: 8 devices do not divide by the other axes' 3$",
+        ),
         (["mesh=data:0"], r"config error: mesh: axis 'data' has size 0; sizes are positive, or -1"),
     ],
 )
@@ -103,7 +118,10 @@ def _main(capsys, tmp_path, *overrides):
 
 
 def _tree(directory):
-    return {p.relative_to(directory).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(directory.rglob("*"))}
+    return {
+        p.relative_to(directory).as_posix(): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(directory.rglob("*"))
+    }
 
 
 SHORT = ["train.steps=4", "checkpoint.every=2", "train.log_every=1", "train.eval_every=0"]
@@ -123,23 +141,41 @@ def test_a_fresh_run_never_mixes_with_an_earlier_one_in_its_checkpoint_folder(tm
     # Replacing it, said explicitly: the old steps, metrics and events go before the first save,
     # so keep rotation (keep=1) can only ever see the new run's steps.
     (run / "checkpoints" / "4.orbax-checkpoint-tmp").mkdir()  # a save of the old run that never committed
-    status, err = _main(capsys, tmp_path, *SHORT, "optimizer.learning_rate=0.03", "checkpoint.overwrite=true", "checkpoint.keep=1")
+    status, err = _main(
+        capsys, tmp_path, *SHORT, "optimizer.learning_rate=0.03", "checkpoint.overwrite=true", "checkpoint.keep=1"
+    )
     assert status == 0 and err == []
     assert sorted(p.name for p in ckpt.iterdir()) == ["4"] and len(list((run / "tb").iterdir())) == 1
     replaced = _losses(run)
     assert _main(capsys, tmp_path / "alone", *SHORT, "optimizer.learning_rate=0.03")[0] == 0
-    assert replaced == _losses(tmp_path / "alone" / "run") != [json.loads(line)["loss"] for line in metrics.splitlines()]
+    assert (
+        replaced == _losses(tmp_path / "alone" / "run") != [json.loads(line)["loss"] for line in metrics.splitlines()]
+    )
     status, err = _main(capsys, tmp_path, *SHORT, "checkpoint.overwrite=true", "--resume")
-    assert status == 2 and err == ["config error: checkpoint.overwrite: replaces the earlier run, so it cannot be combined with --resume"]
+    assert status == 2 and err == [
+        "config error: checkpoint.overwrite: replaces the earlier run, so it cannot be combined with --resume"
+    ]
 
 
 @pytest.mark.parametrize(
     "setup, overrides, expected",
     [
         ("file", ["workdir={f}"], "config error: workdir: {f} is a file, not a directory"),
-        ("file", ["workdir={f}/run"], "config error: workdir: {f}/run lies under {f}, which is a file, not a directory"),
-        ("file", ["checkpoint.every=2", "checkpoint.dir={f}/ckpt"], "config error: checkpoint.dir: {f}/ckpt lies under {f}, which is a file, not a directory"),
-        ("dir", ["checkpoint.every=2", "checkpoint.dir=/proc/meshpar-ckpt"], "config error: checkpoint.dir: cannot create /proc/meshpar-ckpt: No such file or directory"),
+        (
+            "file",
+            ["workdir={f}/run"],
+            "config error: workdir: {f}/run lies under {f}, which is a file, not a directory",
+        ),
+        (
+            "file",
+            ["checkpoint.every=2", "checkpoint.dir={f}/ckpt"],
+            "config error: checkpoint.dir: {f}/ckpt lies under {f}, which is a file, not a directory",
+        ),
+        (
+            "dir",
+            ["checkpoint.every=2", "checkpoint.dir=/proc/meshpar-ckpt"],
+            "config error: checkpoint.dir: cannot create /proc/meshpar-ckpt: No such file or directory",
+        ),
     ],
 )
 def test_filesystem_mistakes_are_one_line_before_any_step(tmp_path, capsys, setup, overrides, expected):
@@ -164,14 +200,29 @@ def test_a_full_disk_at_save_time_ends_the_run_in_one_line_naming_the_last_step_
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     result = subprocess.run(
-        [sys.executable, "-c", capped, "--config", str(tmp_path / "tiny.yaml"), f"workdir={tmp_path / 'run'}",
-         *SHORT, "train.steps=8", "--resume"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            capped,
+            "--config",
+            str(tmp_path / "tiny.yaml"),
+            f"workdir={tmp_path / 'run'}",
+            *SHORT,
+            "train.steps=8",
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     ckpt = tmp_path / "run" / "checkpoints"
-    assert re.fullmatch(rf"checkpoint error: cannot write step 6 to {ckpt}/6 \(File too large \[errno 27\]; .*\); last step saved: 4", lines[0]), lines[0]
+    assert re.fullmatch(
+        rf"checkpoint error: cannot write step 6 to {ckpt}/6 \(File too large \[errno 27\]; .*\); last step saved: 4",
+        lines[0],
+    ), lines[0]
     assert 4 in [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
 
 
@@ -197,7 +248,9 @@ def test_resume_before_the_first_checkpoint_starts_at_step_0_and_a_damaged_run_n
         _damage(ckpt / step)
     outputs = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
     status, err = _main(capsys, tmp_path, *SHORT, "train.steps=6", "--resume")
-    assert status == 2 and err[-1].startswith(f"checkpoint error: no usable checkpoint in {ckpt} (newest: step {steps[-1]}: ")
+    assert status == 2 and err[-1].startswith(
+        f"checkpoint error: no usable checkpoint in {ckpt} (newest: step {steps[-1]}: "
+    )
     damaged = ", ".join(f"{s}.damaged" for s in steps)
     for _ in range(2):
         status, err = _main(capsys, tmp_path, *SHORT, "train.steps=6", "--resume")

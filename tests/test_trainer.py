@@ -39,7 +39,9 @@ def _rows(path):
 def test_routed_and_direct_train_bit_identically(tmp_path):
     cfg = _cfg(train={"log_every": 1})
     direct_exp, direct, direct_losses = _run(cfg, tmp_path, "direct")
-    routed_exp, routed, routed_losses = _run(dataclasses.replace(cfg, feed=config.FeedConfig(mode="routed")), tmp_path, "routed")
+    routed_exp, routed, routed_losses = _run(
+        dataclasses.replace(cfg, feed=config.FeedConfig(mode="routed")), tmp_path, "routed"
+    )
     assert len(direct_losses) == 20
     assert direct_losses == routed_losses  # exact float equality, step for step
     for a, b in zip(jax.tree.leaves(direct_exp.state.params), jax.tree.leaves(routed_exp.state.params)):
@@ -89,4 +91,6 @@ def test_eval_places_through_its_own_feeder_and_leaves_the_train_figures_alone(t
     bound = c["inputs"] + c["queued_inputs"] + c["relay_inputs"]
     for peaks in (with_eval["input_memory"]["peak_input_bytes"], without["input_memory"]["peak_input_bytes"]):
         assert 0 < max(peaks.values()) <= bound, (peaks, bound)
-    assert exp.inputs.eval_feeder.memory_report()["peak_input_bytes"] != {k: 0 for k in with_eval["input_memory"]["peak_input_bytes"]}
+    assert exp.inputs.eval_feeder.memory_report()["peak_input_bytes"] != {
+        k: 0 for k in with_eval["input_memory"]["peak_input_bytes"]
+    }

@@ -25,7 +25,9 @@ TINY = TransformerConfig(d_model=32, n_heads=4, d_head=8, d_ff=64, n_layers=2, m
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     """Random byte windows ``[batch, length + 1]``, as TextSource serves them."""
-    return {"tokens": np.random.default_rng(seed).integers(0, 256, (BATCH, LENGTH + 1), dtype=np.int32).astype(np.uint8)}
+    return {
+        "tokens": np.random.default_rng(seed).integers(0, 256, (BATCH, LENGTH + 1), dtype=np.int32).astype(np.uint8)
+    }
 
 
 def _inputs(seed: int = 0) -> np.ndarray:

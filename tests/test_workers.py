@@ -209,7 +209,12 @@ def test_workers_ignore_sigint_and_do_not_outlive_their_parent():
     children = {
         mode: subprocess.Popen(
             [sys.executable, "-c", CHILD, mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
         )
         for mode in ("wait", "exit")
     }

@@ -48,9 +48,7 @@ def digits_rows(split: str, num: int) -> tuple[np.ndarray, np.ndarray]:
 def text_rows(split: str, num: int) -> tuple[list[str], np.ndarray]:
     """The exact (texts, labels int64 [num]) of a text split (incl. non-ASCII)."""
     rng = np.random.default_rng(100 + _SEEDS[split])
-    texts = [
-        " ".join(rng.choice(_WORDS, size=int(rng.integers(1, 6)))) for _ in range(num)
-    ]
+    texts = [" ".join(rng.choice(_WORDS, size=int(rng.integers(1, 6)))) for _ in range(num)]
     labels = rng.integers(0, 2, size=(num,), dtype=np.int64)
     return texts, labels
 
@@ -61,9 +59,7 @@ def _make_builder(dataset_name, features_fn, examples_fn, split_sizes):
         VERSION = tfds.core.Version("1.0.0")
 
         def _info(self):
-            return tfds.core.DatasetInfo(
-                builder=self, features=features_fn(), disable_shuffling=True
-            )
+            return tfds.core.DatasetInfo(builder=self, features=features_fn(), disable_shuffling=True)
 
         def _split_generators(self, dl_manager):
             return {s: self._generate_examples(s, n) for s, n in split_sizes.items()}
@@ -80,9 +76,7 @@ def _prepare(builder_cls, data_dir: str) -> None:
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig())
 
 
-def build_tiny_dataset(
-    data_dir: str, name: str = "tiny_digits", num_train: int = 64, num_test: int = 32
-) -> None:
+def build_tiny_dataset(data_dir: str, name: str = "tiny_digits", num_train: int = 64, num_test: int = 32) -> None:
     """image (8x8x1 uint8 PNG) + label (ClassLabel, 10) in data_dir/name/1.0.0."""
     from PIL import Image  # tfds encodes PIL images without TF (see top)
 
@@ -103,9 +97,7 @@ def build_tiny_dataset(
     _prepare(_make_builder(name, features, examples, sizes), data_dir)
 
 
-def build_tiny_text_dataset(
-    data_dir: str, name: str = "tiny_text", num_train: int = 48, num_test: int = 16
-) -> None:
+def build_tiny_text_dataset(data_dir: str, name: str = "tiny_text", num_train: int = 48, num_test: int = 16) -> None:
     """text (tfds Text, UTF-8) + label (ClassLabel, 2) in data_dir/name/1.0.0."""
 
     def features():

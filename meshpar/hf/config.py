@@ -83,7 +83,9 @@ def _rope(raw: dict, where: str) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise ConfigError(where, f"rope_parameters / rope_scaling is {params!r}, not a mapping")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = _number({"rope_theta": params.get("rope_theta", raw.get("rope_theta"))}, where, "rope_theta", DEFAULTS["rope_theta"])
+    theta = _number(
+        {"rope_theta": params.get("rope_theta", raw.get("rope_theta"))}, where, "rope_theta", DEFAULTS["rope_theta"]
+    )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ConfigError(where, f"partial_rotary_factor is {partial!r}; meshpar's llama rotates the whole head (1.0)")
@@ -181,7 +183,9 @@ def to_hf(model: Any, base: dict | None = None) -> dict:
     """config.json for a llama `model` config: `base` (the folder's original config, when known)
     with every architecture field and the dtype set from `model`, rotary in both spellings."""
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
-    out.update(architectures=[ARCHITECTURE], model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
+    out.update(
+        architectures=[ARCHITECTURE], model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False
+    )
     for field in ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ff", "n_layers", "vocab_size", "max_length", "rms_eps",
                   "tie_embeddings"):  # fmt: skip
         out[FIELDS[field]] = getattr(model, field)

@@ -143,7 +143,9 @@ class Placer:
         for i in range(plan.shape[0]):
             host = layer(i)
             if host.shape != plan.shape[1:] or host.dtype != plan.dtype:
-                raise ValueError(f"layer {i} is {host.dtype}{list(host.shape)}, the stack holds {plan.dtype}{list(plan.shape[1:])}")
+                raise ValueError(
+                    f"layer {i} is {host.dtype}{list(host.shape)}, the stack holds {plan.dtype}{list(plan.shape[1:])}"
+                )
             size = plan.piece_shape()[plan.dim] if plan.dim is not None else 0
             for p in range(plan.pieces):
                 where = [slice(None)] * host.ndim

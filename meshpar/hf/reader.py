@@ -91,7 +91,9 @@ def _entry(path: Path, name: str, entry, start: int, size: int) -> TensorInfo:
         raise CheckpointError(f"{where} has a malformed header entry {str(entry)[:80]}") from None
     dtype = DTYPES.get(dtype_name)
     if dtype is None:
-        raise CheckpointError(f"{where} has dtype {dtype_name}, which meshpar does not read (known: {', '.join(DTYPES)})")
+        raise CheckpointError(
+            f"{where} has dtype {dtype_name}, which meshpar does not read (known: {', '.join(DTYPES)})"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or start + end > size:
         raise CheckpointError(
@@ -111,7 +113,9 @@ def read(info: TensorInfo) -> np.ndarray:
             while done < info.nbytes:
                 got = f.readinto(view[done : done + _CHUNK])
                 if not got:
-                    raise CheckpointError(f"tensor {info.name} in {info.path} ends early ({done} of {info.nbytes} bytes)")
+                    raise CheckpointError(
+                        f"tensor {info.name} in {info.path} ends early ({done} of {info.nbytes} bytes)"
+                    )
                 done += got
     except OSError as e:
         raise CheckpointError(f"cannot read tensor {info.name} from {info.path}: {e.strerror or e}") from None

@@ -48,7 +48,9 @@ class FromHF:
 def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
     hf_dir, workdir = Path(hf_dir), Path(workdir)
     if not init_from.is_hf_folder(hf_dir):
-        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json with model.safetensors or its index)")
+        raise CheckpointError(
+            f"{hf_dir} is not a Hugging Face model folder (config.json with model.safetensors or its index)"
+        )
     files.check_new(workdir, "workdir")
     # The run this checkpoint starts: its folder, checkpoints in <workdir>/checkpoints.
     checkpoint = dataclasses.replace(cfg.checkpoint, dir="", resume="never", overwrite=False)
@@ -101,7 +103,9 @@ def to_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = writer.MA
         raise CheckpointError(f"{run_dir} is not a folder (give a run's workdir or its checkpoint folder)")
     run = init_from.SavedRun.find(run_dir)
     if run is None:
-        raise CheckpointError(f"{run_dir} holds no committed checkpoint (give a run's workdir or its checkpoint folder)")
+        raise CheckpointError(
+            f"{run_dir} holds no committed checkpoint (give a run's workdir or its checkpoint folder)"
+        )
     model = model_config(run)
     if model.name != "llama":
         raise ConfigError("model.name", f"{run.describe()} holds a {model.name} model; to-hf writes Llama models only")
@@ -109,7 +113,9 @@ def to_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = writer.MA
     run.verify_files()
     saved = run.param_metadata()
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # whole arrays in host memory
-    arrays = run.restore_params({n: jax.ShapeDtypeStruct(shape, dtype, sharding=host) for n, (shape, dtype) in saved.items()})
+    arrays = run.restore_params(
+        {n: jax.ShapeDtypeStruct(shape, dtype, sharding=host) for n, (shape, dtype) in saved.items()}
+    )
     params = {n.removeprefix("params/").removesuffix("/value"): np.asarray(a) for n, a in arrays.items()}
     expected = {t.param for t in names.tensors(model)}
     missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)

@@ -42,7 +42,11 @@ def write_file(path: Path, entries: Sequence[Entry], metadata: dict | None = Non
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": NAMES[np.dtype(e.dtype)], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": NAMES[np.dtype(e.dtype)],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

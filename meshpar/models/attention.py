@@ -224,16 +224,16 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.
     dt = q.dtype
 
     def step(carry, xs):
-        m, l, acc = carry  # running max, running sum [b, h, L]; unnormalised output [b, h, L, d]
+        m, denom, acc = carry  # running max, running sum [b, h, L]; unnormalised output [b, h, L, d]
         kj, vj, j = xs
         s = _block_scores(q, kj, j, block)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])  # [b, h, L, B]
         correction = jnp.exp(m - m_new)
-        l = constrain(l * correction + p.sum(axis=-1), ROWS)
+        denom = constrain(denom * correction + p.sum(axis=-1), ROWS)
         pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(dt), vj, preferred_element_type=jnp.float32)
         acc = constrain(acc * correction[..., None] + pv, ACC)
-        return (constrain(m_new, ROWS), l, acc), None
+        return (constrain(m_new, ROWS), denom, acc), None
 
     init = (
         constrain(_carry(jnp.full((b, h, length), NEG, jnp.float32)), ROWS),
@@ -241,9 +241,9 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.
         constrain(_carry(jnp.zeros((b, h, length, d), jnp.float32)), ACC),
     )
     n = length // block
-    (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
-    out = jnp.swapaxes(acc / l[..., None], 1, 2).astype(dt)  # [b, L, h, d]
-    return out, m + jnp.log(l)
+    (m, denom, acc), _ = jax.lax.scan(step, init, (_blocks(k, block), _blocks(v, block), jnp.arange(n)))
+    out = jnp.swapaxes(acc / denom[..., None], 1, 2).astype(dt)  # [b, L, h, d]
+    return out, m + jnp.log(denom)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -76,7 +76,10 @@ class MLP(nnx.Module):
         dtypes = {"param_dtype": jnp.dtype(cfg.param_dtype), "compute_dtype": jnp.dtype(cfg.compute_dtype)}
         self.dims = tuple(dims)
         self.layers = nnx.List(
-            [Dense(widths[i], widths[i + 1], (dims[i], dims[i + 1]), **dtypes, rngs=rngs) for i in range(len(widths) - 1)]
+            [
+                Dense(widths[i], widths[i + 1], (dims[i], dims[i + 1]), **dtypes, rngs=rngs)
+                for i in range(len(widths) - 1)
+            ]
         )
         self.activation = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh}[cfg.activation]
         self.compute_dtype = dtypes["compute_dtype"]

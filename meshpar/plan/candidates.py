@@ -55,13 +55,12 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import parts, pipeline, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
+from meshpar import models, parts, pipeline, trainer
 from meshpar.config import Config, ConfigError
-from meshpar import models
 from meshpar.plan import cost, memory
 
 # A change that does not apply: the errors building its config and its plan may raise.
@@ -232,7 +231,9 @@ def fsdp_param_layout(
     if order is None:  # the order fsdp_dims took, for the reasons below
         order = tuple(dict.fromkeys(d for dims_, _, _ in params for d in dims_ if d is not None))
     if not dims:
-        raise ConfigError("param_layout", f"FSDP {where}: {_why_none(params, dict(layout), dict(own), busy, ways, order)}")
+        raise ConfigError(
+            "param_layout", f"FSDP {where}: {_why_none(params, dict(layout), dict(own), busy, ways, order)}"
+        )
     rule = axes[0] if len(axes) == 1 else tuple(axes)
     return layout_lib.format_rules((*own, *((d, rule) for d in dims)))
 
@@ -273,7 +274,11 @@ def candidates(
     shape = dict(mesh.shape)
     batch_axes = cost.batch_axes(cfg.layout)
     params = param_dims(abstract_params)
-    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from) if element_spec is None else element_spec
+    spec = (
+        inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
+        if element_spec is None
+        else element_spec
+    )
     skip = skipped.append if skipped is not None else (lambda item: None)
     k0 = cfg.train.microbatches
     micro = [None, *(k0 * f for f in FACTORS)]
@@ -297,7 +302,9 @@ def candidates(
         if fsdp:
             axes = tuple(a for a in batch_axes if a in mesh_shape)
             try:
-                changes += [("param_layout", fsdp_param_layout(cfg, spec, params, axes, mesh_shape, rules or cfg.layout))]
+                changes += [
+                    ("param_layout", fsdp_param_layout(cfg, spec, params, axes, mesh_shape, rules or cfg.layout))
+                ]
             except ConfigError as e:
                 skip((" ".join(f"{a}={b}" for a, b in changes + [("param_layout", "FSDP")]), str(e)))
                 continue

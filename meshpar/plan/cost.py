@@ -97,7 +97,9 @@ class Capacity:
         return max(need - self.device_usable_bytes, 0) if self.device_bytes else 0
 
 
-def allocator_fraction(environ: Mapping[str, str] | None = None, oversubscription: float | None = None) -> tuple[float, str]:
+def allocator_fraction(
+    environ: Mapping[str, str] | None = None, oversubscription: float | None = None
+) -> tuple[float, str]:
     """XLA's GPU allocator fraction and where it came from (see the module docstring). A value
     that is not a number in (0, 1] is a ConfigError on the variable.
 

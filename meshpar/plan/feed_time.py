@@ -26,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-
-
 MODES = ("direct", "routed")
 
 
@@ -42,9 +40,7 @@ def _check(mode: str, process_batch_bytes: int, num_devices: int, shards: int, t
         raise ValueError(f"batch bytes must be >= 0, got {process_batch_bytes}")
 
 
-def direct_time(
-    topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
-) -> float:
+def direct_time(topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False) -> float:
     """Seconds to place a `batch`-byte process batch directly (see the module docstring)."""
     fixed = fields * (topology.placement_overhead[0] + num_devices * topology.host_link.latency)
     if aliased and topology.host_aliasing:
@@ -61,9 +57,7 @@ def direct_time(
     return fixed + slowest
 
 
-def routed_time(
-    topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False
-) -> float:
+def routed_time(topology, batch: int, num_devices: int, shards: int, fields: int = 1, aliased: bool = False) -> float:
     """Seconds to place a `batch`-byte process batch through the relay (device 0)."""
     piece = batch / shards
     host = min(topology.host_link.bandwidth, topology.host_memory_bandwidth)
@@ -136,9 +130,11 @@ def compare(topology, num_devices: int, shards: int, fields: int = 1, sizes=SIZE
     """Predicted placement time and relay memory, routed vs direct, for each batch size."""
     return [
         Row(
-            b, placement_time(topology, "direct", b, num_devices, shards, fields),
+            b,
+            placement_time(topology, "direct", b, num_devices, shards, fields),
             placement_time(topology, "routed", b, num_devices, shards, fields),
-            relay_bytes("routed", b, shards), relay_bytes("direct", b, shards),
+            relay_bytes("routed", b, shards),
+            relay_bytes("direct", b, shards),
         )  # fmt: skip
         for b in sizes
     ]

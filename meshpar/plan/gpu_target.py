@@ -131,7 +131,9 @@ def _devices(name: str, text: str, shape: str) -> tuple:
     except jax.errors.JaxRuntimeError as e:
         field = _unparsed_field(text, shape)
         if field is None:
-            raise ConfigError(KEY, f"{name}: XLA's GPU compiler refuses the target: {' '.join(str(e).split())}") from None
+            raise ConfigError(
+                KEY, f"{name}: XLA's GPU compiler refuses the target: {' '.join(str(e).split())}"
+            ) from None
         raise ConfigError(KEY, f"{name}: jaxlib {jax.__version__} cannot parse the target description's field "
                                f"{field!r}")  # fmt: skip
 

@@ -27,7 +27,12 @@ def _unary_of_first(fn, *avals) -> set:
     g, found = jaxpr.invars[0], set()
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not jaxprs.is_literal(v)]
-        if not jaxprs.is_cheap(eqn) and jaxprs.op(eqn) not in ("sqrt", "exp", "log", "abs") or ins != [g] * len(ins) or not ins:
+        if (
+            not jaxprs.is_cheap(eqn)
+            and jaxprs.op(eqn) not in ("sqrt", "exp", "log", "abs")
+            or ins != [g] * len(ins)
+            or not ins
+        ):
             continue
         name, y = jaxprs.op(eqn), eqn.params.get("y")
         if name == "square" or (name == "integer_pow" and y == 2) or (name == "mul" and len(ins) == 2):

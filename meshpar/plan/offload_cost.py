@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshpar import offload, parts, throughput
 from meshpar import config as config_lib
+from meshpar import offload, parts, throughput
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
 from meshpar.plan import cost as cost_lib
@@ -288,7 +288,9 @@ NO_OFFLOAD = ("offload.optimizer=false", "offload.params=false", "offload.activa
 
 def without_unified(cfg: Config) -> Config:
     """`cfg` without unified memory (its other settings as they are)."""
-    off = dataclasses.replace(cfg.offload, unified_memory=False, oversubscription=config_lib.OffloadConfig.oversubscription)
+    off = dataclasses.replace(
+        cfg.offload, unified_memory=False, oversubscription=config_lib.OffloadConfig.oversubscription
+    )
     return dataclasses.replace(cfg, offload=off)
 
 
@@ -318,18 +320,25 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
             (optimizer or params, activations != "none"), "both"
         )
         mark = " (as configured)" if (optimizer, params, activations) == own and not unified_on else ""
-        out.append(Option(label + mark, overrides, frees, "none" if not (optimizer or params or activations != "none") else "swap"))
+        out.append(
+            Option(
+                label + mark, overrides, frees, "none" if not (optimizer or params or activations != "none") else "swap"
+            )
+        )
     # Unified memory alone, and with the config's own offload setting when it has both.
     um = unified_overrides(cfg)
     label = f"unified memory {cfg.offload.oversubscription:g}x"
     alone = not any(own[:2]) and own[2] == "none"
-    out.append(Option(label + (" (as configured)" if unified_on and alone else ""), (*NO_OFFLOAD[:3], *um), "both", "unified"))
+    out.append(
+        Option(label + (" (as configured)" if unified_on and alone else ""), (*NO_OFFLOAD[:3], *um), "both", "unified")
+    )
     # Composed with swapping the state (the configuration's own swap setting when it has one):
     # the state leaves the device, unified memory pages what still does not fit.
     state = (True, True, "none")
     for flags in [own] if unified_on and not alone else [state]:
         own_label = next((lbl for lbl, *f in SETTINGS if tuple(f) == flags), None) or (
-            f"offload.optimizer={str(flags[0]).lower()}, params={str(flags[1]).lower()}, activations={flags[2]}")
+            f"offload.optimizer={str(flags[0]).lower()}, params={str(flags[1]).lower()}, activations={flags[2]}"
+        )
         mark = " (as configured)" if unified_on and flags == own else ""
         out.append(Option(f"{label} + {own_label}{mark}", (
             f"offload.optimizer={str(flags[0]).lower()}", f"offload.params={str(flags[1]).lower()}",
@@ -415,7 +424,12 @@ def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
 
 
 def sweep(
-    cfg: Config, topo, batch_sizes, overlap: bool = True, with_reference: bool = True, mesh=None,
+    cfg: Config,
+    topo,
+    batch_sizes,
+    overlap: bool = True,
+    with_reference: bool = True,
+    mesh=None,
     skipped: list | None = None,
 ) -> list[tuple[int, list[Cost]]]:
     """:func:`compare` at each global batch size; `with_reference`: each with the config's step
@@ -427,7 +441,9 @@ def sweep(
         sized = applied(cfg, [f"train.batch_size={b}"])
         step = parts.abstract_step(sized, mesh)
         left: list[Skipped] = []
-        out.append((b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0, left)))
+        out.append(
+            (b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0, left))
+        )
         if skipped is not None:
             skipped += [s for s in left if str(s) not in map(str, skipped)]
     return out

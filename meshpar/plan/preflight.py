@@ -29,8 +29,7 @@ import jax
 from meshpar import distributed, parts
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
-from meshpar.plan import cost
-from meshpar.plan import memory
+from meshpar.plan import cost, memory
 from meshpar.plan import report as report_lib
 from meshpar.plan.report import fmt_bytes
 
@@ -98,9 +97,7 @@ def refusal(
     return ConfigError(CATEGORY_KEYS.get(name, "model"), f"{head}; {tail}")
 
 
-def check_analytic(
-    cfg: Config, step: parts.AbstractStep, element_spec: dict
-) -> tuple[memory.Breakdown, cost.Capacity]:
+def check_analytic(cfg: Config, step: parts.AbstractStep, element_spec: dict) -> tuple[memory.Breakdown, cost.Capacity]:
     """The analytic model against the capacity; raises the refusal (see :func:`refusal`) when it
     does not fit. Nothing is compiled or allocated."""
     capacity = device_capacity(cfg, step.mesh)

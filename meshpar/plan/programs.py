@@ -89,7 +89,9 @@ def peaks(cfg: Config, step: parts.AbstractStep, train: jax.stages.Compiled) -> 
     if runs_eval(cfg):
         shardings = {k: b.sharding for k, b in batch.items()}
         plan = step.plan
-        evaluate = trainer.make_eval_step(plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings, plan.schedule)
+        evaluate = trainer.make_eval_step(
+            plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings, plan.schedule
+        )
         compiled = evaluate.lower(state.params, batch).compile()
         rest = _device_bytes(state) - _device_bytes(state.params)
         resident = {"optimizer state, step, rng": rest, **prefetched, **relay}

@@ -50,7 +50,9 @@ class Report:
     xla: dict[str, int]
     capacity: cost.Capacity
     programs: tuple = ()  # meshpar.plan.programs.Peak of every program the run executes
-    compiled: object = dataclasses.field(default=None, repr=False, compare=False)  # the train step, for the run to reuse
+    compiled: object = dataclasses.field(
+        default=None, repr=False, compare=False
+    )  # the train step, for the run to reuse
 
     @property
     def needed_bytes(self) -> int:

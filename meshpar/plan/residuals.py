@@ -165,7 +165,9 @@ class _Level:
         self.loops: dict[int, _Level] = {}  # a scan equation's id -> its body's level
         self.stacked: set = set()  # a loop's body: the values it hands out stacked (each once)
         self.kept: set = set()  # the candidates kept (after finish)
-        self.parent: tuple | None = None  # a loop's body: (the caller's level, the loop's inputs, consts, carry, length)
+        self.parent: tuple | None = (
+            None  # a loop's body: (the caller's level, the loop's inputs, consts, carry, length)
+        )
 
     def add(self, key) -> None:
         """`key` is a residual: a candidate here, or handed to the loop body or the caller it comes from."""
@@ -191,8 +193,9 @@ class _Level:
                     tag = loop.graph.tags.get(value)
                     label = f"'{tag}'" if tag else "loop output"
                     sliced = value in loop.graph.operands
-                    self.out.append(Residual(nbytes(w.aval), loop.copies, label, loop=True, rolled=True,
-                                             sliced=sliced, at=loop.at))
+                    self.out.append(
+                        Residual(nbytes(w.aval), loop.copies, label, loop=True, rolled=True, sliced=sliced, at=loop.at)
+                    )
                 else:  # unrolled: straight-line code, fused like any other
                     loop.add((0, body.outvars[i]))
                 return
@@ -219,8 +222,16 @@ class _Level:
                         carried.add(k)
                         tag = self.loops[id(eqn)].graph.tags.get((0, body.invars[k]))
                         label = f"'{tag}'" if tag else "loop carry"
-                        self.out.append(Residual(nbytes(body.invars[k].aval), self.copies * length, label, loop=True,
-                                                 rolled=jaxprs.is_rolled(eqn) or self.looped, at=self._place(pos)))
+                        self.out.append(
+                            Residual(
+                                nbytes(body.invars[k].aval),
+                                self.copies * length,
+                                label,
+                                loop=True,
+                                rolled=jaxprs.is_rolled(eqn) or self.looped,
+                                at=self._place(pos),
+                            )
+                        )
                 elif args[k] is not None:  # a constant or a stacked input: the caller's value
                     self.add(args[k])
 
@@ -429,4 +440,3 @@ def backward_slices(fn, *args) -> int:
                 reads[key][1] |= jaxprs.is_matmul(e)
         most = max(most, sum(nbytes(k[1].aval) for k, (n, mm) in reads.items() if mm or n > 1))
     return most
-

@@ -69,7 +69,7 @@ def placed_shapes(graphdef, params, batch: dict, layout: layout_lib.Layout, mesh
         jaxpr = jax.make_jaxpr(loss)(params, batch).jaxpr
     local = [list(b.shape) for b in leaves]
     # var -> (leaf index, extent cut off each dim by slices on the way)
-    derived = {v: (i, (0,) * len(b.shape)) for i, (v, b) in enumerate(zip(jaxpr.invars[-len(leaves):], leaves))}
+    derived = {v: (i, (0,) * len(b.shape)) for i, (v, b) in enumerate(zip(jaxpr.invars[-len(leaves) :], leaves))}
     for eqn in jaxpr.eqns:
         sources = [derived[v] for v in eqn.invars if not jaxprs.is_literal(v) and v in derived]
         if len(sources) != 1 or len(eqn.outvars) != 1 or len(eqn.outvars[0].aval.shape) != len(local[sources[0][0]]):
@@ -104,4 +104,6 @@ def local_batch(cfg: Config, batch: dict, placed: list[tuple[int, ...]] | None =
 def device_batch(cfg: Config, step: parts.AbstractStep) -> dict:
     """One device's shard of one microbatch, every dim as the model places it (see :func:`placed_shapes`)."""
     _, batch, _ = step.args  # the parameters without their placement: offloaded ones are no different here
-    return local_batch(cfg, batch, placed_shapes(step.plan.graphdef, step.plan.abstract.params, batch, step.layout, step.mesh))
+    return local_batch(
+        cfg, batch, placed_shapes(step.plan.graphdef, step.plan.abstract.params, batch, step.layout, step.mesh)
+    )

@@ -4,8 +4,7 @@ next to the other ways of freeing device memory (``--topology``, ``--offload-swe
 
 from __future__ import annotations
 
-from meshpar import throughput
-from meshpar import models
+from meshpar import models, throughput
 from meshpar.plan import offload_cost
 from meshpar.plan.report import fmt_bytes
 
@@ -81,7 +80,11 @@ def step_table(step_time, topology):
     for c in step_time.collectives:
         row(f"  {c.kind}", f"{fmt_bytes(c.bytes)} over {c.axis}", c.seconds)
     row("collectives", f"{len(step_time.collectives)} ops", step_time.collective_s)
-    row("hidden", "collective time behind compute scheduled beside it", -step_time.hidden_s if step_time.hidden_s else 0.0)
+    row(
+        "hidden",
+        "collective time behind compute scheduled beside it",
+        -step_time.hidden_s if step_time.hidden_s else 0.0,
+    )
     row("feed (placement)", "one batch", step_time.feed_s)
     row("feed exposed", "not hidden behind compute", step_time.exposed_feed_s)
     row("total", "compute + collectives − hidden + exposed feed", step_time.total_s, style="bold")

@@ -374,7 +374,7 @@ def measure(devices) -> dict[str, float]:
     # memcpy: 64 MiB, beyond any last-level cache, so it is DRAM bandwidth (bytes copied / s).
     src = np.ones(64 << 20, np.uint8)
     dst = np.empty_like(src)
-    out["memcpy_bps"] = src.nbytes / _median_time(lambda: np.copyto(dst, src), 3)
+    out["memcpy_bps"] = src.nbytes / _median_time(functools.partial(np.copyto, dst, src), 3)
     del src, dst
     # matmul: one float32 [512, 512] product per device, all devices at once in one sharded
     # program. The simulated devices share the host's cores, so a step (which keeps every
