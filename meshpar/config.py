@@ -257,7 +257,7 @@ class OffloadConfig:
     # Residuals the backward pass reads, saved in host memory instead of on the devices:
     # none; layer_outputs = each layer's input and its residual stream after attention
     # (layer_in, attn_residual); dots = every named matmul output the layer keeps (query,
-    # key, value, context, attn_out, mlp_hidden, plus layer_in and attn_residual). Needs the
+    # key, value, context, mlp_hidden, plus layer_in and attn_residual). Needs the
     # layer loop (model.scan_layers, a loop left by scan_unroll), like remat, and takes
     # model.remat's place (model.remat must be none); the mlp has no layer loop. Compare it
     # with the same names saved on the devices (scripts/bench_offload.py), not with none: a

@@ -110,11 +110,10 @@ def test_activation_offload_matches_the_same_names_saved_on_device(tmp_path, set
     saved = trainer.make_train_step(*step_args, activations_memory="device")
     flags = stop.make_flags(exp.mesh, 0)
     batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(STEPS)]
-    # The offloading program moves the named residuals to host memory; the reference keeps them
-    # on the devices. attn_out is named but no residual (the residual add's backward never
-    # reads it), so no policy keeps it.
+    # The offloading program moves every name its policy lists to host memory (each a residual);
+    # the reference keeps them on the devices.
     moved = offload.names_moved_to_host(exp.train_step.trace(exp.state, batches[0], flags).jaxpr)
-    assert moved == set(offload.ACTIVATION_NAMES[setting]) - {"attn_out"}
+    assert moved == set(offload.ACTIVATION_NAMES[setting])
     assert offload.names_moved_to_host(saved.trace(exp.state, batches[0], flags).jaxpr) == set()
     losses = {}
     fresh = plan.materialize(exp.layout, exp.mesh)  # the same initial state (exp.state is donated below)

@@ -280,12 +280,6 @@ def test_transfers_are_bytes_over_the_named_topologys_host_link(offloaded):
         assert f.host_s == pytest.approx(s.host_s / 2) and f.compute_s == s.compute_s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the planner counts attn_out among the values offload.activations=dots sends to host memory "
-    "(offload_plan.profile's named bytes), but attn_out is no residual (the residual add's backward needs "
-    "neither operand): the traced step moves 7 of the 8 named values, and the planner charges 10% more bytes",
-)
 def test_activation_offload_of_dots_moves_what_the_program_moves(offloaded):
     h100 = _topo("h100-sxm-8", latency=0.0)
     prepared, passes = offloaded["offload.activations=dots"]

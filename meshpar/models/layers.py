@@ -186,13 +186,14 @@ def rope_frequencies(d_head: int, theta: float, llama3: tuple[float, float, floa
 
 
 # offload.activations → the names (checkpoint_name tags) each layer of a language-model family
-# keeps in host memory (attn_out is never a residual: the residual add's backward does not read
-# it). layer_in is the layer loop's carry: the step moves it to host memory, but offloading a
+# keeps in host memory: the residuals among the tags (attn_out is tagged but never a residual: the
+# residual add's backward does not read it, so no policy names it and no plan counts it). layer_in
+# is the layer loop's carry: the step moves it to host memory, but offloading a
 # loop's carry is known to free nothing on the device (jax-ml/jax#23869).
 ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {
     "none": (),
     "layer_outputs": ("layer_in", "attn_residual"),
-    "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "attn_out", "mlp_hidden"),
+    "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "mlp_hidden"),
 }
 
 
