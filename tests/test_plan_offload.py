@@ -12,9 +12,8 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from jax.extend import core as jex_core
 
-from meshpar import aot, config, experiment, loop, parts
+from meshpar import aot, config, experiment, jaxprs, loop, parts
 from meshpar.config import ConfigError
 from meshpar.metrics import read_jsonl
 from meshpar.plan import __main__ as plan_cli
@@ -163,15 +162,6 @@ PRICED = {
 }  # fmt: skip
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(v, jex_core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jex_core.Jaxpr):
-                yield v
-
-
 def _program_passes(cfg, step) -> list[tuple[int, int]]:
     """What the traced train step moves between device and host memory, per device: (bytes in,
     bytes out) of each pass that moves any, in program order — one per trip of the forward layer
@@ -203,7 +193,7 @@ def _program_passes(cfg, step) -> list[tuple[int, int]]:
                     elif "device" in kind:
                         inward += per_device(var.aval, placement)
             n = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-            for inner in _subjaxprs(eqn):
+            for inner in jaxprs.subjaxprs(eqn):
                 i, o = moves(inner.eqns)
                 inward, outward = inward + n * i, outward + n * o
         return inward, outward

@@ -5,9 +5,8 @@ import pathlib
 
 import pytest
 import yaml
-from jax.extend import core as jex_core
 
-from meshpar import aot, config, parts
+from meshpar import aot, config, jaxprs, parts
 from meshpar.plan import candidates, cost, gpu_target, memory, search, stages, topology
 
 CONFIG = "experiments/transformer_pipeline.yaml"
@@ -35,15 +34,6 @@ def _estimate(cfg, topo, mesh, layout, stage):
     return search.estimate(new, option, step, memory.analytic(new, step), topo, search.model_dims(new))
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(v, jex_core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jex_core.Jaxpr):
-                yield v
-
-
 def _tick_loops(step) -> list[tuple[int, int, int]]:
     """The pipeline as jax traces the train step: (trips, permutes per trip, bytes of the array
     one permute hands on, as traced) of every loop whose body sends an array over the stage axis."""
@@ -56,7 +46,7 @@ def _tick_loops(step) -> list[tuple[int, int, int]]:
                 if sends:
                     aval = sends[0].invars[0].aval
                     found.append((eqn.params["length"], len(sends), math.prod(aval.shape) * aval.dtype.itemsize))
-            for inner in _subjaxprs(eqn):
+            for inner in jaxprs.subjaxprs(eqn):
                 walk(inner)
 
     walk(step.step.trace(*step.args).jaxpr.jaxpr)
