@@ -46,8 +46,9 @@ the parent's resource tracker then unlinks the segments still queued). A parent-
 would not do: it fires when the *thread* that started the worker exits, and Grain starts them
 from helper threads. :meth:`WorkerBatches.close` stops and joins the workers, killing any that is
 still busy after 2 s (a read that hangs), and leaves nothing in ``/dev/shm``; an iterator left
-open is closed the same way when collected or at exit. A worker killed by SIGKILL can leave the
-segment it was filling until this process exits (its resource tracker removes it then).
+open is closed the same way when collected or at exit. Segments carry the pipeline's own name
+prefix, so close() also unlinks what a worker killed in the meantime left behind (the segment it
+was filling, batches still queued).
 
 Workers are spawned, not forked (forking a process that runs JAX's threads is unsafe): the loader
 and its source must be picklable (checked at construction), and each worker re-imports the
@@ -65,6 +66,7 @@ import multiprocessing.util
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -73,6 +75,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
@@ -90,10 +93,11 @@ _SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
 
 
 class _Assemble:
-    """Batch `step` of `loader`, tagged with the step and the worker's pid (runs in the worker)."""
+    """Batch `step` of `loader`, tagged with the step and the worker's pid, its arrays in shared
+    memory segments named ``<segments><random hex>`` (runs in the worker)."""
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, segments: str):
+        self.loader, self.segments = loader, segments
 
     def __call__(self, step) -> tuple[int, int, dict[str, np.ndarray]]:
         step = int(step)
@@ -107,7 +111,22 @@ class _Assemble:
             except Exception:
                 raise RuntimeError(f"{type(e).__name__}: {e}") from None
             raise
-        return step, os.getpid(), batch
+        return step, os.getpid(), {name: self._shared(array) for name, array in batch.items()}
+
+    def _shared(self, array):
+        """`array` copied into a segment of this pipeline's own name, which Grain then sends as is.
+
+        Grain would name the segment itself (``psm_<hex>``, as anyone's): with the pipeline's
+        prefix, close() can find and unlink what a killed worker leaves behind."""
+        from grain.multiprocessing import SharedMemoryArray  # imported by Grain's worker already
+
+        array = np.asarray(array)
+        if array.dtype.hasobject or array.size == 0:  # what Grain itself sends by pickle
+            return array
+        shm = shared_memory.SharedMemory(f"{self.segments}{secrets.token_hex(8)}", create=True, size=array.nbytes)
+        out = SharedMemoryArray.from_shared_memory(shm, array.shape, array.dtype)
+        out[...] = array
+        return out
 
 
 class _WorkerInit:
@@ -177,8 +196,6 @@ def _start_resource_tracker() -> None:
     names the lost worker. It takes its warning filters from ``sys.warnoptions`` when it
     starts, so the filter is there only for that moment.
     """
-    from multiprocessing import resource_tracker
-
     quiet = "ignore:resource_tracker:UserWarning"
     added = quiet not in sys.warnoptions
     if added:
@@ -222,9 +239,12 @@ class _Workers:
             raise TypeError(f"worker processes need a picklable loader and source: {type(e).__name__}: {e}") from None
         self.count = workers
         self.pid_dir = tempfile.mkdtemp(prefix="input-pipeline-workers-")
+        # This pipeline's shared memory segments: the pid folder's unique name, not Grain's
+        # ``psm_`` that every pool on the host shares.
+        self.segments = f"{os.path.basename(self.pid_dir)}-"
         dataset = (
             grain.MapDataset.range(start, stop)
-            .map(_Assemble(loader))
+            .map(_Assemble(loader, self.segments))
             # One batch at a time in each worker: Grain's default (16 threads, 500 elements
             # ahead) would hold hundreds of batches per worker and fight over its GIL.
             .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -285,7 +305,23 @@ class _Workers:
         # A process that exits right after close() would otherwise leave the segments Grain is
         # still unlinking to its resource tracker ("leaked shared_memory objects" warnings).
         grain_compat.wait_for_unlinks(_UNLINK_WAIT_S)
+        self._unlink_left_segments()
         shutil.rmtree(self.pid_dir, ignore_errors=True)
+
+    def _unlink_left_segments(self) -> None:
+        """Unlink this pipeline's segments that nobody will: the one a killed worker was filling,
+        batches still queued when it died (they would stay in /dev/shm until this process exits
+        and its resource tracker removes them)."""
+        try:
+            names = [name for name in os.listdir(_SHM_DIR) if name.startswith(self.segments)]
+        except OSError:  # no /dev/shm: not Linux
+            return
+        for name in names:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except FileNotFoundError:  # Grain's unlinking got there first
+                continue
+            resource_tracker.unregister(f"/{name}", "shared_memory")  # as SharedMemory.unlink() does
 
 
 _OPEN: set[_Workers] = set()
@@ -325,6 +361,11 @@ class WorkerBatches:
             self._pool = _Workers(loader, start, stop, workers, buffer)
             # An iterator dropped without close() still stops its workers (at collection or exit).
             self._finalizer = weakref.finalize(self, self._pool.close)
+
+    @property
+    def segment_prefix(self) -> str | None:
+        """How the names of this iterator's shared memory segments begin (None without workers)."""
+        return None if self._pool is None else self._pool.segments
 
     @property
     def pids(self) -> list[int | None]:

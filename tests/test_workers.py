@@ -6,7 +6,6 @@ import gc
 import multiprocessing
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -40,20 +39,6 @@ class FailingSource(SyntheticSource):
         if self.bad_row in indices:
             raise DataError(BAD_MESSAGE)
         return super().read(indices)
-
-
-class TaggedSource(SyntheticSource):
-    """Unpickled in a worker, names that worker's shared memory segments ``<tag>seg...``."""
-
-    def __init__(self, tag: str):
-        super().__init__(1000, 8, 4, seed=0)
-        self.tag, self.owner = tag, os.getpid()
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if os.getpid() != self.owner:
-            tag = self.tag
-            shared_memory._make_filename = lambda: f"/{tag}seg{secrets.token_hex(8)}"
 
 
 class SlowSource(SyntheticSource):
@@ -246,41 +231,47 @@ def test_workers_ignore_sigint_and_do_not_outlive_their_parent():
 
 
 def test_close_is_prompt_idempotent_and_leaves_no_shared_memory(monkeypatch):
-    # Other processes on the host use /dev/shm too: this pipeline's entries carry a tag of their
-    # own (segments: named by the workers; semaphores: by this process, for Grain's queues).
+    # Other processes on the host use /dev/shm too: segments carry the pipeline's own prefix, and
+    # the semaphores of Grain's queues (made by this process) a tag of this test's.
     tag = f"wbtest{os.getpid()}x{time.monotonic_ns() % 10**6}"
     monkeypatch.setitem(multiprocessing.current_process()._config, "semprefix", f"/{tag}sem")
 
-    def tagged() -> set[str]:
-        return {name for name in os.listdir("/dev/shm") if tag in name}
-
-    loader = HostLoader(TaggedSource(tag), 32, seed=0)
+    loader = HostLoader(SyntheticSource(1000, 8, 4, seed=0), 32, seed=0)
     with WorkerBatches(loader, 0, 14, workers=2, buffer=3) as batches:
+        prefix = batches.segment_prefix
+
+        def ours() -> set[str]:
+            return {name for name in os.listdir("/dev/shm") if name.startswith(prefix) or tag in name}
+
         for step, batch in batches:
             if step == 7:  # stop early, holding the last batch
                 break
         pids = batches.pids
         kept = batch["inputs"].copy()
         deadline = time.perf_counter() + 10.0  # the workers reach the end of their steps
-        in_use = tagged()
-        while not any(name.startswith(f"{tag}seg") for name in in_use) and time.perf_counter() < deadline:
+        in_use = ours()
+        while not any(name.startswith(prefix) for name in in_use) and time.perf_counter() < deadline:
             time.sleep(0.05)
-            in_use = tagged()
+            in_use = ours()
+        # What a worker killed while filling a segment leaves: a segment nobody will unlink.
+        left = shared_memory.SharedMemory(f"{prefix}killed", create=True, size=4096)
+        left.close()
         start = time.perf_counter()
     took = time.perf_counter() - start
-    assert any(name.startswith(f"{tag}seg") for name in in_use), in_use  # batches travel through /dev/shm
+    assert any(name.startswith(prefix) for name in in_use), in_use  # batches travel through /dev/shm
     assert any(name.startswith(f"sem.{tag}sem") for name in in_use), in_use
     # Prompt: not Grain's own 25 s wait for its workers (a bound wide enough for a loaded machine).
     assert took < 10.0, took
     _wait_gone(pids, 5.0)
+    assert not os.path.exists(f"/dev/shm/{prefix}killed")  # close() sweeps its own prefix
     np.testing.assert_array_equal(batch["inputs"], kept)  # a batch handed out outlives close
     np.testing.assert_array_equal(batch["inputs"], loader.batch(7)["inputs"])
     batches.close()  # again: harmless
     assert next(batches, None) is None
     deadline = time.perf_counter() + 10.0  # Grain unlinks in a background thread
-    while tagged() and time.perf_counter() < deadline:
+    while ours() and time.perf_counter() < deadline:
         time.sleep(0.05)
-    assert not tagged()
+    assert not ours()
 
     # Dropped without close(), and its workers stuck in a minute-long read: collecting the
     # iterator stops them, the stuck ones killed after the grace period.
