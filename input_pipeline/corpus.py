@@ -254,15 +254,7 @@ def _prepare(
     progress: Progress | None,
 ) -> Result:
     began = time.perf_counter()
-    if stdlib == bool(inputs):
-        raise DataError("give input files or folders, or the standard library, not both or neither")
-    if not 0.0 <= eval_fraction <= 1.0:
-        raise DataError(f"eval fraction must be in [0, 1], got {eval_fraction}")
-    if not shard_mb > 0:
-        raise DataError(f"shard size must be positive, got {shard_mb} MB")
-    workers = (os.cpu_count() or 1) if workers is None else workers
-    if not 1 <= workers <= MAX_WORKERS:
-        raise DataError(f"workers must be from 1 to {MAX_WORKERS}, got {workers}")
+    workers = _check_options(inputs, stdlib, eval_fraction, shard_mb, workers)
     if stdlib:
         inputs, include = [text_lib.stdlib_dir()], list(include or STDLIB_INCLUDE)
     include = list(include) if include else []
@@ -274,41 +266,81 @@ def _prepare(
     hf_file = None if isinstance(tok, tokenizer_lib.ByteTokenizer) else tokenizer_lib.tokenizer_file(tokenizer)
     files = documents_lib.list_inputs(inputs, include, skip=out)
     units = documents_lib.make_units(files, max(1, int(shard_mb * MB)))
-    plan = {
+    options = {"eval_fraction": eval_fraction, "include": include, "text_field": text_field, "shard_mb": shard_mb}
+    plan = _make_plan(tok, hf_file, files, units, options)
+    total = sum(f.size for f in files)
+    if _open_output(out, output, plan):
+        splits = tokens_lib.read_manifest(out)["splits"]
+        seconds = time.perf_counter() - began
+        return _result(out, True, len(units), len(units), len(files), total, 0, splits, seconds)
+    tok_record = _copy_tokenizer(out, tok, hf_file)
+
+    records = _done_units(out, len(units))
+    skipped = len(records)
+    done = sum(records[u]["input_bytes"] for u in records)
+    if progress:
+        progress(done, total)
+    todo = {u: [(files[i], s, e) for i, s, e in units[u]] for u in range(len(units)) if u not in records}
+    if len(todo) <= 1 or workers == 1:
+        bytes_read = _run_here(out, todo, tok, eval_fraction, text_field, records, done, total, progress)
+    else:
+        spec = (hf_file or tokenizer_lib.BYTE, tok.fingerprint)
+        bytes_read = _run_in_pool(out, todo, spec, eval_fraction, text_field, workers, records, done, total, progress)
+
+    splits = _splits(records, len(units))
+    seconds = time.perf_counter() - began
+    tokens_lib.write_manifest(out, _manifest(tok, tok_record, options, splits, len(files), total, seconds))
+    return _result(out, False, len(units), skipped, len(files), total, bytes_read, splits, seconds)
+
+
+def _check_options(
+    inputs: Sequence[str] | None, stdlib: bool, eval_fraction: float, shard_mb: float, workers: int | None
+) -> int:
+    """Refuse options out of range; returns the number of workers (default: one per core)."""
+    if stdlib == bool(inputs):
+        raise DataError("give input files or folders, or the standard library, not both or neither")
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise DataError(f"eval fraction must be in [0, 1], got {eval_fraction}")
+    if not shard_mb > 0:
+        raise DataError(f"shard size must be positive, got {shard_mb} MB")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if not 1 <= workers <= MAX_WORKERS:
+        raise DataError(f"workers must be from 1 to {MAX_WORKERS}, got {workers}")
+    return workers
+
+
+def _make_plan(
+    tok: Tokenizer,
+    hf_file: str | None,
+    files: list[documents_lib.InputFile],
+    units: list[list[list[int]]],
+    options: dict,
+) -> dict:
+    """The plan of this run (``plan.json``): what a rerun must match to resume it."""
+    return {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "tokenizer": {
             "spec": os.path.abspath(hf_file) if hf_file else tokenizer_lib.BYTE,
             "fingerprint": tok.fingerprint,
         },
-        "options": {"eval_fraction": eval_fraction, "include": include, "text_field": text_field, "shard_mb": shard_mb},
+        "options": options,
         "inputs": [dataclasses.asdict(f) for f in files],
         "units": units,
     }
-    total = sum(f.size for f in files)
 
+
+def _open_output(out: str, output: str, plan: dict) -> bool:
+    """Resume in `out` (same plan) or start it (new or empty, plan written); True when already complete."""
     plan_path = os.path.join(out, tokens_lib.PLAN)
     if os.path.exists(plan_path):
-        try:
-            with open(plan_path, encoding="utf-8") as f:
-                old = json.load(f)
-            if not isinstance(old, dict):
-                raise ValueError("not an object")
-        except (OSError, ValueError) as e:
-            raise DataError(f"{plan_path}: unreadable ({e}); prepare into a new folder") from None
-        diff = _plan_difference(old, plan)
+        diff = _plan_difference(_read_plan(plan_path), plan)
         if diff:
             raise DataError(
                 f"{plan_path}: {diff}; rerun with the inputs and options it was made with, or prepare into a new folder"
             )
         if os.path.exists(os.path.join(out, tokens_lib.MANIFEST)):
-            m = tokens_lib.read_manifest(out)
-            splits = m["splits"]
-            return Result(
-                out, True, len(units), len(units), len(files), total, 0,
-                {s: splits[s]["documents"] for s in splits}, {s: splits[s]["tokens"] for s in splits},
-                time.perf_counter() - began,
-            )  # fmt: skip
+            return True
         _remove_temporaries(out)
     else:
         if os.path.isdir(out):
@@ -323,111 +355,174 @@ def _prepare(
         _remove_temporaries(out)
         tokens_lib.atomic_write(plan_path, tokens_lib.json_bytes(plan))
     os.makedirs(os.path.join(out, UNITS), exist_ok=True)
+    return False
 
-    tok_record: dict = {"kind": tokenizer_lib.BYTE, "sha256": tokenizer_lib.BYTE}
+
+def _read_plan(plan_path: str) -> dict:
+    """The plan an earlier run left at `plan_path`, or a DataError when it cannot be read."""
+    try:
+        with open(plan_path, encoding="utf-8") as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{plan_path}: unreadable ({e}); prepare into a new folder") from None
+    return old
+
+
+def _copy_tokenizer(out: str, tok: Tokenizer, hf_file: str | None) -> dict:
+    """Copy a Hugging Face tokenizer (and its config) into `out`; returns the manifest's tokenizer record."""
+    record: dict = {"kind": tokenizer_lib.BYTE, "sha256": tokenizer_lib.BYTE}
     if hf_file:
-        tok_record = {"kind": "hf", "file": "tokenizer.json"}
+        record = {"kind": "hf", "file": "tokenizer.json"}
         config = os.path.join(os.path.dirname(hf_file), "tokenizer_config.json")
         for src, name in ((hf_file, "tokenizer.json"), (config, "tokenizer_config.json")):
             if name == "tokenizer.json" or os.path.isfile(config):
                 data = _read(src)
                 if name == "tokenizer.json":
-                    tok_record["sha256"] = hashlib.sha256(data).hexdigest()
+                    record["sha256"] = hashlib.sha256(data).hexdigest()
                 dest = os.path.join(out, name)
                 if not (os.path.isfile(dest) and _read(dest) == data):
                     tokens_lib.atomic_write(dest, data)
-    tok_record.update(
+    record.update(
         fingerprint=tok.fingerprint,
         vocab_size=int(tok.vocab_size),
         separator=[int(i) for i in tok.separator],
         eod_token=getattr(tok, "eod_token", None),
     )
+    return record
 
+
+def _done_units(out: str, n_units: int) -> dict[int, dict]:
+    """Unit -> its done record, for the units an earlier run finished."""
     records: dict[int, dict] = {}
-    for u in range(len(units)):
+    for u in range(n_units):
         rec = _unit_done(out, u)
         if rec is not None:
             records[u] = rec
-    skipped = len(records)
-    done = sum(records[u]["input_bytes"] for u in records)
-    if progress:
-        progress(done, total)
-    todo = [u for u in range(len(units)) if u not in records]
+    return records
 
-    def pieces(u: int) -> list[tuple[documents_lib.InputFile, int, int]]:
-        return [(files[i], s, e) for i, s, e in units[u]]
 
+def _run_here(
+    out: str,
+    todo: dict[int, list],
+    tok: Tokenizer,
+    eval_fraction: float,
+    text_field: str,
+    records: dict[int, dict],
+    done: int,
+    total: int,
+    progress: Progress | None,
+) -> int:
+    """Run the units `todo` (unit -> its pieces) in this process into `records`; returns the bytes read."""
     bytes_read = 0
-    if len(todo) <= 1 or workers == 1:
-        base = done
+    base = done
 
-        def tick(n: int) -> None:  # within a unit, as its documents are tokenized
-            nonlocal done
-            done += n
-            if progress:
-                progress(min(done, total), total)
+    def tick(n: int) -> None:  # within a unit, as its documents are tokenized
+        nonlocal done
+        done += n
+        if progress:
+            progress(min(done, total), total)
 
-        for u in todo:
-            records[u] = run_unit(out, u, pieces(u), tok, eval_fraction, text_field, tick)
-            bytes_read += records[u]["input_bytes"]
-            done = base = base + records[u]["input_bytes"]  # exact at each unit's end
+    for u, pieces in todo.items():
+        records[u] = run_unit(out, u, pieces, tok, eval_fraction, text_field, tick)
+        bytes_read += records[u]["input_bytes"]
+        done = base = base + records[u]["input_bytes"]  # exact at each unit's end
+        if progress:
+            progress(done, total)
+    return bytes_read
+
+
+def _run_in_pool(
+    out: str,
+    todo: dict[int, list],
+    tokenizer: tuple[str, str],  # (spec, fingerprint): what each worker loads, and checks it loaded
+    eval_fraction: float,
+    text_field: str,
+    workers: int,
+    records: dict[int, dict],
+    done: int,
+    total: int,
+    progress: Progress | None,
+) -> int:
+    """Run the units `todo` (unit -> its pieces) in `workers` processes into `records`; returns the bytes read."""
+    spec, fingerprint = tokenizer
+    jobs = [(spec, fingerprint, out, u, pieces, eval_fraction, text_field) for u, pieces in todo.items()]
+    bytes_read = 0
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out
+    # of memory) fails the preparation instead of leaving it waiting forever for the unit.
+    pool = concurrent.futures.ProcessPoolExecutor(
+        min(workers, len(todo)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(),),
+    )
+    try:
+        futures = {pool.submit(_worker_unit, job): job[3] for job in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                u, rec = future.result()
+            except concurrent.futures.BrokenExecutor:
+                raise DataError(
+                    f"a worker process stopped (killed, or out of memory?) while preparing unit {futures[future]} "
+                    f"into {out}; rerunning the same command resumes"
+                ) from None
+            records[u] = rec
+            done += rec["input_bytes"]
+            bytes_read += rec["input_bytes"]
             if progress:
                 progress(done, total)
-    else:
-        spec = hf_file or tokenizer_lib.BYTE
-        jobs = [(spec, tok.fingerprint, out, u, pieces(u), eval_fraction, text_field) for u in todo]
-        # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out
-        # of memory) fails the preparation instead of leaving it waiting forever for the unit.
-        pool = concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(todo)),
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(os.getpid(),),
-        )
-        try:
-            futures = {pool.submit(_worker_unit, job): job[3] for job in jobs}
-            for future in concurrent.futures.as_completed(futures):
-                try:
-                    u, rec = future.result()
-                except concurrent.futures.BrokenExecutor:
-                    raise DataError(
-                        f"a worker process stopped (killed, or out of memory?) while preparing unit {futures[future]} "
-                        f"into {out}; rerunning the same command resumes"
-                    ) from None
-                records[u] = rec
-                done += rec["input_bytes"]
-                bytes_read += rec["input_bytes"]
-                if progress:
-                    progress(done, total)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return bytes_read
 
+
+def _splits(records: dict[int, dict], n_units: int) -> dict:
+    """The manifest's splits, from every unit's done record: shards in unit (stream) order."""
     splits = {}
     for split in tokens_lib.SPLITS:
-        shards = [records[u]["shards"][split] for u in range(len(units)) if records[u]["shards"][split]]
+        shards = [records[u]["shards"][split] for u in range(n_units) if records[u]["shards"][split]]
         splits[split] = {
             "documents": sum(r["documents"] for r in shards),
             "tokens": sum(r["tokens_count"] for r in shards),
             "shards": shards,
         }
-    seconds = time.perf_counter() - began
-    manifest = {
+    return splits
+
+
+def _manifest(
+    tok: Tokenizer, tok_record: dict, options: dict, splits: dict, files: int, total: int, seconds: float
+) -> dict:
+    """The corpus's ``manifest.json`` (see :mod:`input_pipeline.tokens`), from the plan's `options`."""
+    return {
         "format": tokens_lib.FORMAT,
         "version": tokens_lib.VERSION,
         "tokenizer": tok_record,
         "dtype": tok.dtype.name,
-        "eval_fraction": eval_fraction,
+        "eval_fraction": options["eval_fraction"],
         "splits": splits,
-        "inputs": {"files": len(files), "bytes": total},
-        "options": {"include": include, "text_field": text_field, "shard_mb": shard_mb},
+        "inputs": {"files": files, "bytes": total},
+        "options": {key: options[key] for key in ("include", "text_field", "shard_mb")},
         "seconds": round(seconds, 3),
         "created_by": tokens_lib.CREATED_BY,
     }
-    tokens_lib.write_manifest(out, manifest)
-    return Result(
-        out, False, len(units), skipped, len(files), total, bytes_read,
-        {s: splits[s]["documents"] for s in splits}, {s: splits[s]["tokens"] for s in splits}, seconds,
-    )  # fmt: skip
+
+
+def _result(
+    out: str,
+    complete: bool,
+    units: int,
+    skipped: int,
+    files: int,
+    total: int,
+    bytes_read: int,
+    splits: dict,
+    seconds: float,
+) -> Result:
+    """The Result of a preparation, its documents and tokens per split read from `splits` (the manifest's)."""
+    documents = {s: splits[s]["documents"] for s in splits}
+    tokens = {s: splits[s]["tokens"] for s in splits}
+    return Result(out, complete, units, skipped, files, total, bytes_read, documents, tokens, seconds)
 
 
 def _read(path: str) -> bytes:

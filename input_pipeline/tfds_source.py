@@ -107,6 +107,75 @@ def _converter(key: str, feat) -> tuple[Spec, Callable[[list], np.ndarray]]:
     )
 
 
+def _builder(tfds, name: str, data_dir: str):
+    """tfds's (the module `tfds`) builder of the prepared dataset `name` in `data_dir`; else what is missing."""
+    problem = name_problem(name)
+    if problem:
+        raise DataError(problem)
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data_dir does not exist: {data_dir}")
+    # Check the dataset directory ourselves: for names tfds ships code for
+    # (e.g. "mnist") tfds.builder would happily build an empty code builder
+    # and fail later with a confusing split error. Error lines list folders
+    # inside data_dir only: the name is checked above to stay inside it.
+    m = _NAME.fullmatch(name)
+    base = m["dataset"]
+    if not os.path.isdir(os.path.join(data_dir, base)):
+        raise DataError(
+            f"dataset {name!r} not found: no folder {base} in data_dir {data_dir} "
+            f"(datasets there: {_folders(data_dir)})"
+        )
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # tfds raises many types, all multi-line
+        parts = [p for p in (base, m["config"], m["version"]) if p and "*" not in p]
+        missing = _missing(data_dir, parts)
+        if missing:  # tfds would say "Dataset <name> not found" of a dataset that is there
+            wanted, parent = missing
+            raise DataError(
+                f"dataset {name!r} not found: no folder {wanted} in data_dir {data_dir} "
+                f"({parent}/ holds: {_folders(os.path.join(data_dir, parent))})"
+            ) from None
+        raise DataError(
+            f"cannot load dataset {name!r} from data_dir {data_dir}: {_one_line(e)} "
+            f"({'/'.join(parts)}/ holds: {_folders(os.path.join(data_dir, *parts))})"
+        ) from None
+    if not builder.is_prepared():
+        raise DataError(f"dataset {name!r} is not prepared in data_dir {data_dir} (expected {builder.data_path})")
+    return builder
+
+
+def _check_split(info, name: str, split: str, data_dir: str) -> None:
+    """Refuse a split the dataset (its tfds `info`) does not have, or one without examples."""
+    available = list(info.splits)
+    try:
+        num_examples = info.splits[split].num_examples  # handles "train[:10%]"
+    except (ValueError, KeyError) as e:
+        raise DataError(
+            f"split {split!r} is not valid for dataset {name!r} in {data_dir} "
+            f"(available splits: {', '.join(available)}): {_one_line(e)}"
+        ) from None
+    if num_examples == 0:
+        raise DataError(f"split {split!r} of dataset {name!r} in {data_dir} is empty")
+
+
+def _converters(features, name: str, fields: dict[str, str]) -> tuple[dict[str, Spec], dict[str, tuple[str, Callable]]]:
+    """(output field -> its spec, output field -> (feature key, batch converter)) for `fields`."""
+    if not fields:
+        raise DataError(f"no fields requested from dataset {name!r}")
+    convert: dict[str, tuple[str, Callable]] = {}
+    spec: dict[str, Spec] = {}
+    for out_name, key in fields.items():
+        if key not in features.keys():
+            raise DataError(
+                f"field {out_name!r} names feature key {key!r} which dataset "
+                f"{name!r} lacks (available: {', '.join(features.keys())})"
+            )
+        spec[out_name], conv = _converter(key, features[key])
+        convert[out_name] = (key, conv)
+    return spec, convert
+
+
 class TfdsSource:
     """Rows of one split of a prepared TFDS dataset, fetched by index.
 
@@ -123,64 +192,9 @@ class TfdsSource:
             ) from None
         data_dir = os.fspath(data_dir)
         self.name, self.split, self.data_dir = name, split, data_dir
-        problem = name_problem(name)
-        if problem:
-            raise DataError(problem)
-        if not os.path.isdir(data_dir):
-            raise DataError(f"data_dir does not exist: {data_dir}")
-        # Check the dataset directory ourselves: for names tfds ships code for
-        # (e.g. "mnist") tfds.builder would happily build an empty code builder
-        # and fail later with a confusing split error. Error lines list folders
-        # inside data_dir only: the name is checked above to stay inside it.
-        m = _NAME.fullmatch(name)
-        base = m["dataset"]
-        if not os.path.isdir(os.path.join(data_dir, base)):
-            raise DataError(
-                f"dataset {name!r} not found: no folder {base} in data_dir {data_dir} "
-                f"(datasets there: {_folders(data_dir)})"
-            )
-        try:
-            builder = tfds.builder(name, data_dir=data_dir)
-        except Exception as e:  # tfds raises many types, all multi-line
-            parts = [p for p in (base, m["config"], m["version"]) if p and "*" not in p]
-            missing = _missing(data_dir, parts)
-            if missing:  # tfds would say "Dataset <name> not found" of a dataset that is there
-                wanted, parent = missing
-                raise DataError(
-                    f"dataset {name!r} not found: no folder {wanted} in data_dir {data_dir} "
-                    f"({parent}/ holds: {_folders(os.path.join(data_dir, parent))})"
-                ) from None
-            raise DataError(
-                f"cannot load dataset {name!r} from data_dir {data_dir}: {_one_line(e)} "
-                f"({'/'.join(parts)}/ holds: {_folders(os.path.join(data_dir, *parts))})"
-            ) from None
-        if not builder.is_prepared():
-            raise DataError(f"dataset {name!r} is not prepared in data_dir {data_dir} (expected {builder.data_path})")
-        info = builder.info
-        available = list(info.splits)
-        try:
-            num_examples = info.splits[split].num_examples  # handles "train[:10%]"
-        except (ValueError, KeyError) as e:
-            raise DataError(
-                f"split {split!r} is not valid for dataset {name!r} in {data_dir} "
-                f"(available splits: {', '.join(available)}): {_one_line(e)}"
-            ) from None
-        if num_examples == 0:
-            raise DataError(f"split {split!r} of dataset {name!r} in {data_dir} is empty")
-
-        features = info.features
-        if not fields:
-            raise DataError(f"no fields requested from dataset {name!r}")
-        self._convert: dict[str, tuple[str, Callable]] = {}
-        self._spec: dict[str, Spec] = {}
-        for out_name, key in fields.items():
-            if key not in features.keys():
-                raise DataError(
-                    f"field {out_name!r} names feature key {key!r} which dataset "
-                    f"{name!r} lacks (available: {', '.join(features.keys())})"
-                )
-            self._spec[out_name], conv = _converter(key, features[key])
-            self._convert[out_name] = (key, conv)
+        info = _builder(tfds, name, data_dir).info
+        _check_split(info, name, split, data_dir)
+        self._spec, self._convert = _converters(info.features, name, fields)
         try:
             self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
         except Exception as e:  # e.g. prepared as tfrecord, not array_record

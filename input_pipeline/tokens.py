@@ -290,46 +290,55 @@ class TokenSource:
         self.verify = verify
         self.dtype = np.dtype(manifest["dtype"])
         self.what = f"split {split!r} of {path}"
-        shards = splits[split]["shards"]
         self._files, self._maps, self._indexes = [], [], []
-        sizes = []
-        for rec in shards:
-            bin_path, idx_path = os.path.join(path, rec["tokens"]), os.path.join(path, rec["index"])
-            self._check_size(bin_path, rec["bytes"])
-            self._check_size(idx_path, rec["documents"] * _INDEX_DTYPE.itemsize)
-            if verify:
-                for file, want in ((bin_path, rec["sha256"]), (idx_path, rec["index_sha256"])):
-                    got = file_sha256(file)
-                    if got != want:
-                        raise DataError(
-                            f"{file}: sha256 {got[:16]}... differs from the manifest's {want[:16]}... "
-                            "(the file changed after preparation)"
-                        )
-            if rec["max_id"] >= self.vocab_limit:
-                raise DataError(
-                    f"{bin_path}: holds token id {rec['max_id']}, at or above the vocabulary limit {self.vocab_limit}"
-                )
-            count = rec["tokens_count"]
-            tokens = np.memmap(bin_path, dtype=self.dtype.newbyteorder("<"), mode="r", shape=(count,))
-            index = np.memmap(idx_path, dtype=_INDEX_DTYPE, mode="r", shape=(rec["documents"],))
-            _check_index(idx_path, index, count)
+        for rec in splits[split]["shards"]:
+            bin_path, tokens, index = self._map_shard(rec)
             self._files.append(bin_path)
-            # A plain ndarray over the map: slicing an np.memmap makes another memmap (its
-            # bookkeeping was 60% of the read's time, measured as in the module's docstring).
-            self._maps.append(tokens.view(np.ndarray))
+            self._maps.append(tokens)
             self._indexes.append(index)
-            sizes.append(count)
-        self._sizes = np.array(sizes, np.int64)
+        self._sizes = np.array([m.size for m in self._maps], np.int64)
         self._ends = np.cumsum(self._sizes)  # each shard's end in the split's stream
         self._begins = self._ends - self._sizes
-        self.tokens = int(self._ends[-1]) if len(sizes) else 0
+        self.tokens = int(self._ends[-1]) if len(self._maps) else 0
         self.documents = sum(len(i) for i in self._indexes)
+        self._cut_windows()
+        # The per-read check is skipped only where the dtype cannot hold a bad id (bytes, 256).
+        info = np.iinfo(self.dtype)
+        self._check_ids = info.max >= self.vocab_limit or info.min < 0
+
+    def _map_shard(self, rec: dict) -> tuple[str, np.ndarray, np.ndarray]:
+        """One shard's files checked against its manifest record `rec` and mapped: (.bin path, tokens, index)."""
+        bin_path, idx_path = os.path.join(self.path, rec["tokens"]), os.path.join(self.path, rec["index"])
+        self._check_size(bin_path, rec["bytes"])
+        self._check_size(idx_path, rec["documents"] * _INDEX_DTYPE.itemsize)
+        if self.verify:
+            for file, want in ((bin_path, rec["sha256"]), (idx_path, rec["index_sha256"])):
+                got = file_sha256(file)
+                if got != want:
+                    raise DataError(
+                        f"{file}: sha256 {got[:16]}... differs from the manifest's {want[:16]}... "
+                        "(the file changed after preparation)"
+                    )
+        if rec["max_id"] >= self.vocab_limit:
+            raise DataError(
+                f"{bin_path}: holds token id {rec['max_id']}, at or above the vocabulary limit {self.vocab_limit}"
+            )
+        count = rec["tokens_count"]
+        tokens = np.memmap(bin_path, dtype=self.dtype.newbyteorder("<"), mode="r", shape=(count,))
+        index = np.memmap(idx_path, dtype=_INDEX_DTYPE, mode="r", shape=(rec["documents"],))
+        _check_index(idx_path, index, count)
+        # A plain ndarray over the map: slicing an np.memmap makes another memmap (its
+        # bookkeeping was 60% of the read's time, measured as in the module's docstring).
+        return bin_path, tokens.view(np.ndarray), index
+
+    def _cut_windows(self) -> None:
+        """Count the split's windows (and the tokens none holds) as `windows` cuts them; refuse a split without one."""
         window = self.length + 1
         if self.tokens < window:
             raise DataError(
                 f"{self.what} has {self.tokens} tokens, fewer than one window of {window} (length {self.length} + 1)"
             )
-        if windows == "packed":
+        if self.windows == "packed":
             self._starts = None
             self._len = (self.tokens - 1) // self.length
             self.dropped_tokens = self.tokens - (self._len * self.length + 1)
@@ -338,9 +347,6 @@ class TokenSource:
             self._len = int(self._starts.size)
             if self._len == 0:
                 raise DataError(f"{self.what}: no document has {window} tokens (length {self.length} + 1)")
-        # The per-read check is skipped only where the dtype cannot hold a bad id (bytes, 256).
-        info = np.iinfo(self.dtype)
-        self._check_ids = info.max >= self.vocab_limit or info.min < 0
 
     @staticmethod
     def _check_size(file: str, want: int) -> None:

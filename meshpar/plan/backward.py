@@ -47,15 +47,7 @@ def walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: dic
     reduction, at the backward's end): from their place on the matmul's cotangent is held
     instead, and at the end both (beside every gradient: XLA:GPU may reduce the others first)."""
     scratch, loops, late = scratch or {}, loops or {}, late or set()
-    layers = {}  # a loop's place -> its iterations
-    for r in kept:
-        if r.loop:
-            layers[r.at] = max(layers.get(r.at, 1), r.copies)
-    made: dict[int, int] = {}  # place -> bytes of the residuals made there
-    cots: dict[int, int] = {}
-    for r in kept:
-        made[r.at] = made.get(r.at, 0) + r.total
-        cots[r.at] = max(cots.get(r.at, 0), r.cot or r.nbytes)
+    layers, made, cots = _by_place(kept)
     grads = {i: u for i, u in uses.items() if i < nparams}
     weights = weights or {}
     places = sorted(set(made) | set(weights) | {u.at for u in grads.values()}, reverse=True)
@@ -69,11 +61,7 @@ def walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: dic
         born = [i for i, u in grads.items() if u.at == p]
         new = [(together or {}).get(i, 0) for i in born if i not in late]
         held += sum(new)
-        # a loop's iteration: its extras beside every gradient produced by then, its own layer's
-        # produced one weight at a time as those die (the largest beside them, or all of them)
-        n = layers.get(p, 1)
-        share = sum(new) // n
-        extra = scratch.get(p, 0) + max(loops.get(p, 0) + max(new, default=0) // n, share) - share
+        extra = scratch.get(p, 0) + _loop_extra(new, layers.get(p, 1), loops.get(p, 0))
         if here:  # its residuals read: their cotangent live, and every residual made before
             peak = max(peak, before + here + cots.get(p, 0) + held + waiting + extra)
         for i in born:  # the gradient produced: the op's cotangent (a loop's: its largest residual's, its stacks live)
@@ -85,3 +73,25 @@ def walk(kept: list[residuals.Residual], uses: dict, nparams: int, together: dic
         waiting += sum(grads[i].cot or 0 for i in born if i in late)
         before -= weights.get(p, 0)  # read: dead below
     return int(peak)
+
+
+def _by_place(kept: list[residuals.Residual]) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Place -> a loop's iterations, the bytes of the residuals made there, and their largest cotangent."""
+    layers = {}  # a loop's place -> its iterations
+    for r in kept:
+        if r.loop:
+            layers[r.at] = max(layers.get(r.at, 1), r.copies)
+    made: dict[int, int] = {}  # place -> bytes of the residuals made there
+    cots: dict[int, int] = {}
+    for r in kept:
+        made[r.at] = made.get(r.at, 0) + r.total
+        cots[r.at] = max(cots.get(r.at, 0), r.cot or r.nbytes)
+    return layers, made, cots
+
+
+def _loop_extra(new: list[int], n: int, extras: int) -> int:
+    """What a loop of `n` iterations holds beyond the held gradients: an iteration's `extras` beside its `new`."""
+    # a loop's iteration: its extras beside every gradient produced by then, its own layer's
+    # produced one weight at a time as those die (the largest beside them, or all of them)
+    share = sum(new) // n
+    return max(extras + max(new, default=0) // n, share) - share

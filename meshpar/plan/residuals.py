@@ -356,6 +356,20 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
     also fused into their consumers where float32 or float16 (the target's: :data:`GPU_CHEAP`).
     `looped`: every scan counts as one that runs as a loop, a scan of one iteration too (a
     pipeline stage's layers inside the tick loop, :mod:`meshpar.plan.stages`)."""
+    top = _forward_level(fn, args, read, cheap, looped)
+    if casts is not None:
+        casts.append(_widening_casts(top, len(jax.tree.leaves(args[0]))))
+    if dtypes is not None:
+        dtypes.update(_cast_dtypes(top))
+    if matmuls_at is not None:
+        matmuls_at.update(_matmuls_at(top))
+    if uses is not None:
+        uses.update(_uses(top, jax.tree.leaves(args)))
+    return top.out
+
+
+def _forward_level(fn, args, read: set[int] | None, cheap: frozenset, looped: bool) -> _Level:
+    """The forward of ``jax.vjp(fn, *args)`` traced and its residuals decided (:class:`_Level`, finished)."""
     leaves, tree = jax.tree.flatten(args)
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(lambda *ys: fn(*jax.tree.unflatten(tree, ys)), *xs), return_shape=True
@@ -369,42 +383,45 @@ def kept_residuals(fn, *args, read: set[int] | None = None, uses: dict | None = 
         if not jaxprs.is_literal(v):
             top.add((0, v))
     top.finish()
-    if casts is not None:
-        casts.append(_widening_casts(top, len(jax.tree.leaves(args[0]))))
-    if dtypes is not None:
-        dtypes.update(_cast_dtypes(top))
-    if matmuls_at is not None:
-        for eqn, _, pos in top.graph.producer.values():
-            if jaxprs.is_matmul(eqn):
-                matmuls_at[pos] = (False, [eqn])
-            elif jaxprs.is_scan(eqn):
-                body = jaxprs.scan_parts(eqn)[0]
-                matmuls_at[pos] = (True, [e for j in jaxprs.nested(body) for e in j.eqns if jaxprs.is_matmul(e)])
-    if uses is not None:
-        g, found, reads = top.graph, {}, {}
-        leaves = jax.tree.leaves(args)
-        for key, (eqn, ins, pos) in g.producer.items():
-            if jaxprs.is_relabel(eqn) or jaxprs.op(eqn) == "convert_element_type" and g.argument(key) is not None:
-                continue  # the argument itself, relabelled or read in another dtype
-            loop = jaxprs.is_scan(eqn)  # its cotangents are one iteration's: its residuals' (None here)
-            cot = None if loop else max((nbytes(v.aval) for v in eqn.outvars), default=0)
-            for j, a in enumerate(ins):
-                arg = g.argument(a) if a is not None else None
-                if arg is None:
-                    continue
-                k, dtype = arg
-                reads.setdefault(k, set()).add(g.resolve(a))
-                size = math.prod(leaves[k].shape) * jnp.dtype(dtype).itemsize
-                last = found.get(k, Use(-1, None, 0))
-                scattered = last.scattered or (jaxprs.op(eqn) == "gather" and j == 0)
-                if pos >= last.at:
-                    matmul = jaxprs.is_matmul(eqn)
-                    folded = matmul and len(eqn.outvars[0].aval.shape) > 2
-                    found[k] = Use(pos, cot, max(last.nbytes, size), scattered, matmul, folded)
-                else:
-                    found[k] = last._replace(nbytes=max(last.nbytes, size), scattered=scattered)
-        uses.update({k: u._replace(parts=len(reads[k])) for k, u in found.items()})
-    return out
+    return top
+
+
+def _matmuls_at(top: _Level) -> dict:
+    """Place in program order -> ``(a loop, its matmul equations)``, for each place that runs matmuls."""
+    found = {}
+    for eqn, _, pos in top.graph.producer.values():
+        if jaxprs.is_matmul(eqn):
+            found[pos] = (False, [eqn])
+        elif jaxprs.is_scan(eqn):
+            body = jaxprs.scan_parts(eqn)[0]
+            found[pos] = (True, [e for j in jaxprs.nested(body) for e in j.eqns if jaxprs.is_matmul(e)])
+    return found
+
+
+def _uses(top: _Level, leaves: list) -> dict[int, Use]:
+    """Flattened argument index -> its :class:`Use`, for each argument (of `leaves`) the forward reads."""
+    g, found, reads = top.graph, {}, {}
+    for key, (eqn, ins, pos) in g.producer.items():
+        if jaxprs.is_relabel(eqn) or jaxprs.op(eqn) == "convert_element_type" and g.argument(key) is not None:
+            continue  # the argument itself, relabelled or read in another dtype
+        loop = jaxprs.is_scan(eqn)  # its cotangents are one iteration's: its residuals' (None here)
+        cot = None if loop else max((nbytes(v.aval) for v in eqn.outvars), default=0)
+        for j, a in enumerate(ins):
+            arg = g.argument(a) if a is not None else None
+            if arg is None:
+                continue
+            k, dtype = arg
+            reads.setdefault(k, set()).add(g.resolve(a))
+            size = math.prod(leaves[k].shape) * jnp.dtype(dtype).itemsize
+            last = found.get(k, Use(-1, None, 0))
+            scattered = last.scattered or (jaxprs.op(eqn) == "gather" and j == 0)
+            if pos >= last.at:
+                matmul = jaxprs.is_matmul(eqn)
+                folded = matmul and len(eqn.outvars[0].aval.shape) > 2
+                found[k] = Use(pos, cot, max(last.nbytes, size), scattered, matmul, folded)
+            else:
+                found[k] = last._replace(nbytes=max(last.nbytes, size), scattered=scattered)
+    return {k: u._replace(parts=len(reads[k])) for k, u in found.items()}
 
 
 def backward_slices(fn, *args) -> int:

@@ -20,8 +20,11 @@ import math
 import pathlib
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar.config import ConfigError
@@ -162,8 +165,6 @@ class Topology:
         (the ``tf32`` figure), under "highest"/"float32" plain FP32. A dtype the file has no
         figure for falls back to ``float32``."""
         if dtype == "float32" and "tf32" in self.peak_flops:
-            import jax
-
             precision = jax.config.jax_default_matmul_precision
             if precision in (None, "default", "high", "tensorfloat32", "TF32_TF32_F32"):
                 return self.peak_flops["tf32"]
@@ -234,8 +235,6 @@ def load(name_or_path: str, devices: int | None = None) -> Topology:
     except (OSError, yaml.YAMLError, ValueError) as e:
         raise ConfigError(KEY, f"cannot read {path.name}: {' '.join(str(e).split())}") from None
     if isinstance(spec, dict) and spec.get("calibrated"):
-        import jax
-
         return calibrated(devices or len(jax.devices("cpu")), spec.get("description", ""))
     return from_dict(spec, path.name)
 
@@ -365,58 +364,86 @@ def measure(devices) -> dict[str, float]:
     put_latency_s, put_bps (host→device), direct_fixed_s, routed_fixed_s (a one-byte
     placement through each feeder), copy_latency_s, copy_bps (device→device),
     allreduce_latency_s, allreduce_bps (per ring step and per device, ring model)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     n = len(devices)
-    out = {}
-    # memcpy: 64 MiB, beyond any last-level cache, so it is DRAM bandwidth (bytes copied / s).
-    src = np.ones(64 << 20, np.uint8)
-    dst = np.empty_like(src)
-    out["memcpy_bps"] = src.nbytes / _median_time(functools.partial(np.copyto, dst, src), 3)
-    del src, dst
-    # matmul: one float32 [512, 512] product per device, all devices at once in one sharded
-    # program. The simulated devices share the host's cores, so a step (which keeps every
-    # device busy) gets this per-device rate, not what one device alone would reach.
+    out = {"memcpy_bps": _memcpy_bps()}
     mesh = Mesh(np.array(devices), ("devices",))
     split = NamedSharding(mesh, PartitionSpec("devices"))
+    out["matmul_flops"] = _matmul_flops(split, n)
+    out.update(_host_to_device(split, n))
+    out.update(_feeders_fixed(mesh, n))
+    if n < 2:  # nothing to copy between or reduce over: a device copy is a memcpy
+        return {**out, "copy_bps": out["memcpy_bps"], "copy_latency_s": out["put_latency_s"],
+                "allreduce_bps": out["memcpy_bps"], "allreduce_latency_s": 0.0}  # fmt: skip
+    out.update(_device_to_device(devices))
+    out.update(_allreduce(mesh, split, n))
+    return out
+
+
+def _memcpy_bps() -> float:
+    """Host memory bandwidth: bytes one memcpy copies per second."""
+    # 64 MiB, beyond any last-level cache, so it is DRAM bandwidth (bytes copied / s).
+    src = np.ones(64 << 20, np.uint8)
+    dst = np.empty_like(src)
+    return src.nbytes / _median_time(functools.partial(np.copyto, dst, src), 3)
+
+
+def _matmul_flops(split: NamedSharding, n: int) -> float:
+    """FLOP/s of one device's float32 matmul, all `n` devices (`split` over them) busy at once."""
+    # One float32 [512, 512] product per device, all devices at once in one sharded program.
+    # The simulated devices share the host's cores, so a step (which keeps every device busy)
+    # gets this per-device rate, not what one device alone would reach.
     size = 512
     # Inputs are made on the host: a jnp array would cost a compilation each (of `ones`, and
     # of cutting it into shards), a second of this benchmark's time.
     a = jax.device_put(np.ones((n, size, size), np.float32), split)
     mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=split)
-    out["matmul_flops"] = 2 * size**3 / _median_time(lambda: mm(a).block_until_ready(), 5)
-    # host → device: the placement a direct feed makes (one array split over every device),
-    # from an unaligned buffer so the bytes are copied; two sizes give the per-device fixed
-    # cost (the transfers start one after another) and the bandwidth they share.
+    return 2 * size**3 / _median_time(lambda: mm(a).block_until_ready(), 5)
+
+
+def _host_to_device(split: NamedSharding, n: int) -> dict[str, float]:
+    """put_bps and put_latency_s: host→device placements of one array `split` over `n` devices."""
+    # The placement a direct feed makes (one array split over every device), from an unaligned
+    # buffer so the bytes are copied; two sizes give the per-device fixed cost (the transfers
+    # start one after another) and the bandwidth they share.
     points = []
     for nbytes in (64 << 10, 16 << 20):
         host = _unaligned(nbytes).reshape(n, -1)
         t = _median_time(lambda: jax.make_array_from_process_local_data(split, host).block_until_ready(), 5)
         points.append((nbytes, t))
-    fixed, out["put_bps"] = _two_point(*points)
-    out["put_latency_s"] = fixed / n
+    fixed, bps = _two_point(*points)
+    return {"put_bps": bps, "put_latency_s": fixed / n}
+
+
+def _feeders_fixed(mesh: Mesh, n: int) -> dict[str, float]:
+    """direct_fixed_s and routed_fixed_s: a one-byte-per-device placement through each feeder."""
     # The feeders' own host-side cost per placement beyond the transfers (building the global
     # array, their bookkeeping): one byte per device, so no bandwidth term. A separate tiny
     # batch, never an experiment's.
     tiny, shard = {"x": np.zeros((n, 1), np.uint8)}, {"x": NamedSharding(mesh, PartitionSpec("devices", None))}
+    out = {}
     for mode, feeder in (("direct", DirectFeeder(shard, n)), ("routed", RoutedFeeder(shard, n))):
         out[f"{mode}_fixed_s"] = _median_time(lambda: feeder.place(tiny), 9)  # noqa: B023 (called at once)
-    if n < 2:  # nothing to copy between or reduce over: a device copy is a memcpy
-        return {**out, "copy_bps": out["memcpy_bps"], "copy_latency_s": out["put_latency_s"],
-                "allreduce_bps": out["memcpy_bps"], "allreduce_latency_s": 0.0}  # fmt: skip
-    # device → device: what a routed feed does after the host leg (slices from the relay to
-    # every other device, one call).
+    return out
+
+
+def _device_to_device(devices) -> dict[str, float]:
+    """copy_bps and copy_latency_s: slices copied from the first of `devices` to every other."""
+    # What a routed feed does after the host leg (slices from the relay to every other device,
+    # one call).
+    n = len(devices)
     points = []
     for nbytes in (64 << 10, 16 << 20):
         pieces = [jax.device_put(_unaligned(nbytes // n), devices[0]) for _ in range(n - 1)]
         t = _median_time(lambda: jax.block_until_ready(jax.device_put(pieces, devices[1:])), 5)
         points.append((nbytes * (n - 1) // n, t))
-    fixed, out["copy_bps"] = _two_point(*points)
-    out["copy_latency_s"] = fixed / max(n - 1, 1)
-    # all-reduce over every device at 4 KiB and 4 MiB per device. Ring model (the one the
-    # step-time model uses): t = 2(n-1) · latency + 2(n-1)/n · bytes / bandwidth.
+    fixed, bps = _two_point(*points)
+    return {"copy_bps": bps, "copy_latency_s": fixed / max(n - 1, 1)}
+
+
+def _allreduce(mesh: Mesh, split: NamedSharding, n: int) -> dict[str, float]:
+    """allreduce_bps and allreduce_latency_s: an all-reduce over every device, ring model."""
+    # At 4 KiB and 4 MiB per device. Ring model (the one the step-time model uses):
+    # t = 2(n-1) · latency + 2(n-1)/n · bytes / bandwidth.
     reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "devices"), mesh=mesh,
                                in_specs=PartitionSpec("devices"), out_specs=PartitionSpec("devices")))  # fmt: skip
     points = []
@@ -425,16 +452,13 @@ def measure(devices) -> dict[str, float]:
         x = jax.device_put(np.ones((n, nbytes // 4), np.float32), split)
         t = _median_time(lambda: reduce(x).block_until_ready(), 5)
         points.append((factor * nbytes, t))
-    fixed, out["allreduce_bps"] = _two_point(*points)
-    out["allreduce_latency_s"] = fixed / steps
-    return out
+    fixed, bps = _two_point(*points)
+    return {"allreduce_bps": bps, "allreduce_latency_s": fixed / steps}
 
 
 @functools.cache
 def calibrated(num_devices: int, description: str = "") -> Topology:
     """``cpu-sim`` for the first `num_devices` simulated CPU devices, measured once per process."""
-    import jax
-
     devices = jax.devices("cpu")[:num_devices]
     m = measure(devices)
     ram = cost.host_memory_bytes() or 0
