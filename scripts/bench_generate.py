@@ -39,13 +39,13 @@ once, when the first run's generator opens (nothing here starts JAX's backend be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
 import sys
 import time
 
+import common
 import numpy as np
 
 
@@ -205,23 +205,18 @@ def bench_run(workdir: pathlib.Path, args, batches: list[int]) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    cols = [("run", 20, "s"), ("model", 11, "s"), ("B", 3, "d"), ("rows", 4, "d"), ("prompt", 6, "d"), ("N", 4, "d"),
-            ("prefill ms", 10, ".1f"), ("cached dec tok/s", 16, ",.0f"), ("cached tok/s", 12, ",.0f"),
-            ("base prefill ms", 15, ".1f"), ("base dec tok/s", 14, ",.0f"), ("base tok/s", 10, ",.0f"),
-            ("dec ratio", 9, ".2f"), ("all ratio", 9, ".2f"), ("same", 4, "s")]  # fmt: skip
-    print(" ".join(f"{name:>{w}}" if f != "s" or name in ("same",) else f"{name:<{w}}" for name, w, f in cols))
-    for res in results:
-        for r in res["rows"]:
-            values = [pathlib.Path(res["workdir"]).name, res["model"], r["batch"], r["rows"], r["prompt_tokens"], r["new_tokens"],
-                      r["cached"]["prefill_ms"], r["cached"]["decode_tokens_per_s"], r["cached"]["tokens_per_s"],
-                      r["baseline"]["prefill_ms"], r["baseline"]["decode_tokens_per_s"], r["baseline"]["tokens_per_s"],
-                      r["decode_ratio"], r["overall_ratio"], "yes" if r["same_tokens"] else "no"]  # fmt: skip
-            print(
-                " ".join(
-                    f"{v:>{w}{f}}" if f != "s" or name == "same" else f"{v:<{w}{f}}"
-                    for (name, w, f), v in zip(cols, values)
-                )
-            )
+    columns = [("run", "<20"), ("model", "<11"), ("B", ">3d"), ("rows", ">4d"), ("prompt", ">6d"), ("N", ">4d"),
+               ("prefill ms", ">10.1f"), ("cached dec tok/s", ">16,.0f"), ("cached tok/s", ">12,.0f"),
+               ("base prefill ms", ">15.1f"), ("base dec tok/s", ">14,.0f"), ("base tok/s", ">10,.0f"),
+               ("dec ratio", ">9.2f"), ("all ratio", ">9.2f"), ("same", ">4")]  # fmt: skip
+    rows = [
+        [pathlib.Path(res["workdir"]).name, res["model"], r["batch"], r["rows"], r["prompt_tokens"], r["new_tokens"],
+         r["cached"]["prefill_ms"], r["cached"]["decode_tokens_per_s"], r["cached"]["tokens_per_s"],
+         r["baseline"]["prefill_ms"], r["baseline"]["decode_tokens_per_s"], r["baseline"]["tokens_per_s"],
+         r["decode_ratio"], r["overall_ratio"], "yes" if r["same_tokens"] else "no"]
+        for res in results for r in res["rows"]
+    ]  # fmt: skip
+    print(common.table(columns, rows))
 
 
 def main(argv=None) -> int:
@@ -266,19 +261,16 @@ def main(argv=None) -> int:
         print(f"target missed: {line}")
     if not failed:
         print(f"target held: {target}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out = common.write_json(args.out, {
         "platform": device.platform, "devices": jax.device_count(), "jax": jax.__version__, "cpus": os.cpu_count(),
         "timing": "wall clock (time.perf_counter), medians over repeats after a warm-up run, compilation not counted",
         "sampling": "greedy", "repeats": args.repeats, "new_tokens": args.new_tokens, "batches": batches,
         "overrides": list(args.overrides), "target": target, "target_held": not failed, "failures": failed,
         "same_tokens": same, "results": results,
-    }, indent=1) + "\n")  # fmt: skip
+    }, indent=1)  # fmt: skip
     print(f"wrote {out}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -26,11 +26,9 @@ target and exits 0 unless it cannot run.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import statistics
 import sys
-import time
+
+import common
 
 REPS = 8  # kernels per timed program
 GEMMS = [  # (M, N, K): tokens × output width × contracted width
@@ -42,16 +40,6 @@ GEMMS = [  # (M, N, K): tokens × output width × contracted width
     (4096, 4096, 65536),  # a weight gradient over many tokens (long K)
 ]
 DRY_GEMMS = [(256, 256, 256), (128, 64, 128)]
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def gemms(shapes, repeats: int, topo) -> list[dict]:
@@ -70,7 +58,7 @@ def gemms(shapes, repeats: int, topo) -> list[dict]:
         def run(a, b):
             return jax.lax.map(lambda x: x @ b, a)
 
-        seconds = _median_seconds(lambda: run(a, b).block_until_ready(), repeats) / REPS  # noqa: B023
+        seconds = common.timed(lambda: run(a, b).block_until_ready(), repeats)[0] / REPS  # noqa: B023
         row = {"shape": [m, n, k], "measured_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12}
         if topo is not None and topo.kernels is not None:
             g = kernels.Gemm(1, m, n, k, "bf16")
@@ -95,7 +83,7 @@ def launch(repeats: int, topo, chain: int) -> dict:
             x = jnp.dot(x, x) * 0.5
         return x
 
-    seconds = _median_seconds(lambda: run(x).block_until_ready(), repeats) / chain
+    seconds = common.timed(lambda: run(x).block_until_ready(), repeats)[0] / chain
     row = {"kernels": chain, "measured_s": seconds}
     if topo is not None and topo.kernels is not None:
         row["predicted_s"] = topo.kernels.launch_s
@@ -109,7 +97,7 @@ def bandwidth(nbytes: int, repeats: int, topo) -> dict:
 
     x = jnp.ones((nbytes // 4,), jnp.float32)
     run = jax.jit(lambda x: x * 1.0001)
-    seconds = _median_seconds(lambda: run(x).block_until_ready(), repeats)
+    seconds = common.timed(lambda: run(x).block_until_ready(), repeats)[0]
     moved = 2 * nbytes  # read and written
     row = {"bytes": moved, "measured_s": seconds, "gbps": moved / seconds / 1e9}
     if topo is not None and topo.kernels is not None:
@@ -136,7 +124,7 @@ def allreduce(sizes, repeats: int, topo) -> list[dict]:
     out = []
     for nbytes in sizes:
         x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, spec))
-        seconds = _median_seconds(lambda: reduce(x).block_until_ready(), repeats)  # noqa: B023
+        seconds = common.timed(lambda: reduce(x).block_until_ready(), repeats)[0]  # noqa: B023
         row = {"bytes": nbytes, "devices": n, "measured_s": seconds}
         if topo is not None:
             row["predicted_s"] = cost.collective_seconds("all-reduce", nbytes, n, topo.device_link)
@@ -152,8 +140,7 @@ def _topology(name: str | None):
 
     if name:
         return topology.load(name)
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from device_check import pick_topology
+    from device_check import pick_topology  # the GPU check's pick: the same machine for the same devices
 
     d = jax.local_devices()[0]
     picked = pick_topology(d.platform, d.device_kind, len(jax.local_devices()))
@@ -192,7 +179,7 @@ def main(argv=None) -> int:
     for r in out["allreduce"]:
         print(f"all-reduce {r['bytes'] / mib:6.0f} MiB × {r['devices']}       {fmt(r)}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        common.write_json(args.json, out)
     return 0
 
 

@@ -76,13 +76,10 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a file from anywhere: the pipeline lives next to this folder
-    sys.path.insert(0, str(REPO))
+import common
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from input_pipeline.batching import HostLoader  # noqa: E402
+from input_pipeline.batching import HostLoader
 
 STALL_TARGET = 0.02
 SCALING_TARGET = 1.7
@@ -439,7 +436,7 @@ def train_run(corpus: str, workers: int, workdir: str, quick: bool) -> dict:
     if quick:  # fewer steps, no eval or checkpoint: the steady state's stall, sooner
         cmd += ["train.steps=80", "train.eval_every=0", "checkpoint.every=0"]
     started = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True)
     wall = time.perf_counter() - started
     summary_path = pathlib.Path(workdir) / "summary.json"
     if done.returncode or not summary_path.exists():
@@ -651,8 +648,6 @@ def main(argv=None) -> int:
     if not all(r["identical"] for r in rows):
         missed.append("a worker's batch differs from loader.batch(step)")
 
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "machine": {**info, "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "settings": {k: getattr(args, k) for k in ("quick", "workers", "rounds", "window_s", "images", "image_batch")},
@@ -678,8 +673,7 @@ def main(argv=None) -> int:
         },
         "missed": missed,
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {common.write_json(args.json, record)}")
     for m in missed:
         print(f"MISSED: {m}")
     if not missed:

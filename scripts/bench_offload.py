@@ -67,6 +67,8 @@ import sys
 import tempfile
 import time
 
+import common
+
 # The quickstart's model shrunk for CPU and --dry-run (the byte-level text data, 16-token windows).
 TINY = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -147,13 +149,6 @@ def _seen_by_size(moves: dict, sizes: set[int], layers: int, devices: int) -> di
     return out
 
 
-def _memory_analysis(compiled) -> dict:
-    from meshpar import jax_compat  # here, as in run_one: meshpar is on sys.path once main() ran
-
-    stats = jax_compat.memory_analysis(compiled)
-    return {name: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
-
-
 def _peak_bytes(devices) -> int | None:
     peaks = []
     for d in devices:
@@ -232,7 +227,7 @@ def run_one(label: str, args) -> dict:
         "median_step_s": statistics.median(times[1:] or times),
         "losses": losses,
         "peak_bytes_in_use": _peak_bytes(exp.mesh.devices.flat),
-        "memory_analysis": _memory_analysis(compiled),
+        "memory_analysis": common.memory_analysis(compiled),
         "hlo": _hlo_placement(hlo_text),
         "names_asked": list(asked),
         "names_moved_to_host": sorted(moves),
@@ -320,7 +315,6 @@ def report(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # meshpar, uninstalled
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return 0
@@ -344,8 +338,6 @@ def main(argv=None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
     report(results)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps, "dry_run": args.dry_run,
         "wall_s": time.perf_counter() - started,
@@ -357,9 +349,8 @@ def main(argv=None) -> int:
             "hlo": "compiled.as_text(): S(5) = host memory space; copy-start/copy-done = async copies",
         },
     }  # fmt: skip
-    with open(out / "bench_offload.json", "w") as f:
-        json.dump({**meta, "results": results}, f, indent=2)
-    print(f"wrote {out / 'bench_offload.json'} in {meta['wall_s']:.0f} s")
+    out = common.write_json(pathlib.Path(args.out) / "bench_offload.json", {**meta, "results": results})
+    print(f"wrote {out} in {meta['wall_s']:.0f} s")
     failed = [r["setting"] for r in results if "error" in r]
     return 1 if failed else 0
 

@@ -40,17 +40,14 @@ and every row's first loss equals the baseline's to 1e-5 relative. Prints a tabl
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import statistics
 import sys
 import tempfile
 import time
 
+import common
 import numpy as np
-from bench_offload import _memory_analysis
-from bench_step import bootstrap_median
 
 CONFIG = "experiments/transformer_pipeline.yaml"
 # The model (8 layers, small enough for tens of ms a step on CPU) and the global batch of every row.
@@ -115,7 +112,7 @@ class Row:
         t = time.perf_counter()
         self.compiled = exp.train_step.lower(exp.state, self.batches[0], self.flags).compile()
         self.compile_s = time.perf_counter() - t
-        self.memory = _memory_analysis(self.compiled)
+        self.memory = common.memory_analysis(self.compiled)
         found = timing.collectives(self.compiled, exp.mesh)  # (kind, bytes, mesh axes) per HLO instruction
         self.permutes = [axes for k, _, axes in found if k == "collective-permute"]
         self.all_gathers = sum(k == "all-gather" for k, _, _ in found)
@@ -126,14 +123,9 @@ class Row:
         self.run(args.warmup)
 
     def run(self, n: int) -> list[float]:
-        """`n` steps, each waited for (more than two in flight can deadlock the CPU collectives)."""
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            self.state, metrics = self.compiled(self.state, self.batches[self.steps_done % 2], self.flags)
-            metrics["loss"].block_until_ready()
-            times.append(time.perf_counter() - t)
-            self.steps_done += 1
+        """`n` steps, each waited for; their wall times."""
+        self.state, times = common.step_times(self.compiled, self.state, self.batches, self.flags, n, self.steps_done)
+        self.steps_done += n
         return times
 
 
@@ -185,7 +177,7 @@ def main(argv=None) -> int:
             "repeats": r.key[3] if sched else None, "mesh": r.mesh, "layout": r.layout, "overrides": r.overrides,
             "ticks": sched.ticks if sched else None, "bubble_computed": sched.bubble if sched else None,
             "median_step_s": statistics.median(r.times), "step_s": r.times, "block_median_s": blocks[r.label],
-            "ratio_to_baseline": {"median": statistics.median(ratios), "ci95": list(bootstrap_median(ratios, rng)), "per_round": ratios},
+            "ratio_to_baseline": {"median": statistics.median(ratios), "ci95": list(common.bootstrap_median(ratios, rng)), "per_round": ratios},
             "first_loss": r.first_loss, "first_loss_rel_diff": rel, "compile_s": r.compile_s,
             "memory_analysis": r.memory, "hlo_collective_permutes": len(r.permutes),
             "hlo_collective_permutes_over_stage_axis": stage_permutes, "hlo_collective_permute_axes": sorted(set(r.permutes)),
@@ -193,8 +185,6 @@ def main(argv=None) -> int:
         })  # fmt: skip
     wall = time.perf_counter() - started
     report(results, args, jax.device_count())
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "platform": jax.devices()[0].platform, "devices": jax.device_count(), "cores": len(os.sched_getaffinity(0)),
         "jax": jax.__version__, "config": CONFIG, "model": MODEL, "overrides": args.overrides, "rounds": args.rounds,
@@ -209,7 +199,7 @@ def main(argv=None) -> int:
         },
         "failures": failures,
     }  # fmt: skip
-    out.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    out = common.write_json(args.json, {**meta, "results": results})
     print(f"wrote {out} in {wall:.0f} s")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
@@ -247,5 +237,4 @@ def report(results: list[dict], args, devices: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     sys.exit(main())

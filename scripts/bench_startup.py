@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+import common
+from train_runs import command
+
 SHORT = ["train.steps=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "train.progress=false"]
 
 
@@ -43,20 +45,10 @@ def parse_args(argv=None):
 
 
 def start(config: str, cache: pathlib.Path, workdir: pathlib.Path, overrides, env) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "meshpar.train",
-        "--config",
-        config,
-        *SHORT,
-        *overrides,
-        f"compile_cache.dir={cache}",
-        f"workdir={workdir}",
-    ]
+    cmd = command(config, workdir, [*SHORT, *overrides, f"compile_cache.dir={cache}"])
     metrics = workdir / "metrics.jsonl"
     launched = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = None
     while proc.poll() is None:
         if first is None and metrics.exists() and metrics.stat().st_size:
@@ -107,14 +99,9 @@ def main(argv=None) -> int:
             f"{p['second']['time_to_first_step_s'] / p['first']['time_to_first_step_s']:.2f}"
         )
     ratio = statistics.median(p["second"]["time_to_first_step_s"] / p["first"]["time_to_first_step_s"] for p in pairs)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"config": args.config, "overrides": args.overrides, "pairs": pairs, "median_second_over_first": ratio},
-            indent=2,
-        )
-        + "\n"
+    out = common.write_json(
+        args.out,
+        {"config": args.config, "overrides": args.overrides, "pairs": pairs, "median_second_over_first": ratio},
     )
     print(f"median second/first: {ratio:.2f}; wrote {out}")
     return 0

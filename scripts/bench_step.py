@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
 
+import common
 import numpy as np
 
 CONFIGS = "experiments/mlp_model_parallel.yaml,experiments/quickstart.yaml"
@@ -144,12 +144,6 @@ def preplaced(batches):
     return feed
 
 
-def bootstrap_median(values, rng, n: int = 10000) -> tuple[float, float]:
-    values = np.asarray(values)
-    medians = np.median(rng.choice(values, (n, len(values))), axis=1)
-    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
-
-
 def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
     from meshpar import config, experiment, loop
 
@@ -217,7 +211,7 @@ def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
         if arm == "hand":
             continue
         ratios = [m / h for m, h in zip(periods[arm], periods["hand"])]
-        lo, hi = bootstrap_median(ratios, rng)
+        lo, hi = common.bootstrap_median(ratios, rng)
         out[f"{arm}_over_hand"] = {"median": statistics.median(ratios), "ci95": [lo, hi], "ratios": ratios}
     return out
 
@@ -243,20 +237,11 @@ def main(argv=None) -> int:
             ratio = r[f"{a}_over_hand"]
             line += f" {r['median_s_per_step'][a] * 1e3:>19.3f} {ratio['median']:>25.3f} {'[{:.3f}, {:.3f}]'.format(*ratio['ci95']):>15}"
         print(line)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    out.write_text(
-        json.dumps(
-            {"platform": device.platform, "devices": jax.device_count(), "jax": jax.__version__, "results": results},
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {out}")
+    meta = {"platform": device.platform, "devices": jax.device_count(), "jax": jax.__version__}
+    print(f"wrote {common.write_json(args.out, {**meta, 'results': results})}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     sys.exit(main())

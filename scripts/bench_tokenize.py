@@ -9,16 +9,10 @@ token cache. Medians over repeats, after one warm-up start (the files in the pag
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run as a file from anywhere: the pipeline lives next to this folder
-    sys.path.insert(0, REPO)
+import common
 
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.text import TextSource
@@ -26,21 +20,12 @@ from input_pipeline.text import TextSource
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", default=os.path.join(REPO, "experiments", "tokenizers", "stdlib-bpe-2k.json"))
+    p.add_argument("--tokenizer", default=str(common.REPO / "experiments" / "tokenizers" / "stdlib-bpe-2k.json"))
     p.add_argument("--split", default="train", choices=("train", "eval"))
     p.add_argument("--corpus-dir", default="", help="'' = the Python standard library")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench_tokenize.json")
     return p.parse_args(argv)
-
-
-def timed(make, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        out = make()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), out
 
 
 def main(argv=None) -> dict:
@@ -51,12 +36,11 @@ def main(argv=None) -> dict:
     def source(**kw):
         return TextSource(args.split, 128, corpus_dir=corpus, **kw)
 
-    source()  # warm-up: the files in the page cache
-    byte_s, byte_src = timed(source, args.repeats)
-    hf_s, hf_src = timed(lambda: source(tokenizer=tok), args.repeats)
+    byte_s, byte_src = common.timed(source, args.repeats)  # its warm-up: the files in the page cache
+    hf_s, hf_src = common.timed(lambda: source(tokenizer=tok), args.repeats, warmup=0)
     with tempfile.TemporaryDirectory() as cache:
         source(tokenizer=tok, cache_dir=cache)  # fills the cache
-        cached_s, cached_src = timed(lambda: source(tokenizer=tok, cache_dir=cache), args.repeats)
+        cached_s, cached_src = common.timed(lambda: source(tokenizer=tok, cache_dir=cache), args.repeats, warmup=0)
     assert (cached_src.tokens == hf_src.tokens).all()
     n_bytes, n_tokens = int(byte_src.tokens.size), int(hf_src.tokens.size)
     row = {
@@ -85,9 +69,7 @@ def main(argv=None) -> dict:
     )
     print(f"{'from the token cache':<28}{cached_s:>10.2f}{row['cached_vs_bytes']:>10.1f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+        common.write_json(args.out, row, indent=1)
     return row
 
 

@@ -19,28 +19,20 @@ Trailing ``section.key=value`` overrides apply to both processes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import common
+from train_runs import command, free_port
+
+from meshpar.rundir import committed_steps
+
 OVERRIDES = ("train.steps=100000", "train.log_every=1", "checkpoint.every=10", "train.progress=false")
 MARGIN_S = 5.0  # beyond the heartbeat timeout: the check reads about once a second
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _committed(checkpoints: Path) -> list[int]:
-    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
 
 
 def main() -> int:
@@ -57,34 +49,23 @@ def main() -> int:
         key, _, value = item.partition("=")
         if key == "distributed.heartbeat_timeout_seconds":
             heartbeat = int(value)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    distributed = ["distributed.num_processes=2", f"distributed.coordinator={coordinator}"]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "meshpar.train",
-                "--config",
-                args.config,
-                f"workdir={workdir}",
-                *OVERRIDES,
-                "distributed.num_processes=2",
-                f"distributed.process_id={i}",
-                f"distributed.coordinator={coordinator}",
-                *args.overrides,
-            ],
-            cwd=REPO,
+            command(args.config, workdir, [*OVERRIDES, *distributed, f"distributed.process_id={i}", *args.overrides]),
+            cwd=common.REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     checkpoints = workdir / "checkpoints"
     started = time.monotonic()
-    while not _committed(checkpoints):
+    while not committed_steps(checkpoints):
         if any(p.poll() is not None for p in procs) or time.monotonic() - started > 300:
             for p in procs:
                 p.kill()
@@ -104,7 +85,7 @@ def main() -> int:
     procs[args.victim].communicate()
     lines = err.strip().splitlines()
     last = lines[-1] if lines else ""
-    newest = _committed(checkpoints)[-1]
+    newest = committed_steps(checkpoints)[-1]
     expected_end = f"last checkpoint: step {newest} in {checkpoints}"
     ok = (
         procs[survivor].returncode == 1
@@ -118,7 +99,7 @@ def main() -> int:
         "exit_status": procs[survivor].returncode, "seconds_to_end": round(took, 2), "last_line": last,
         "stderr_lines": len(lines), "newest_checkpoint": newest, "target_s": heartbeat + MARGIN_S, "ok": ok,
     }  # fmt: skip
-    (workdir / "lost_peer.json").write_text(json.dumps(result, indent=2) + "\n")
+    common.write_json(workdir / "lost_peer.json", result)
     print(f"{'killed':>8} {'survivor':>9} {'exit':>5} {'ended after':>12}  last line")
     print(f"{args.victim:>8} {survivor:>9} {procs[survivor].returncode:>5} {took:>10.1f} s  {last}")
     print(f"stderr lines: {len(lines)}; target: exit 1, one 'training error: lost ...' line naming step {newest}, "

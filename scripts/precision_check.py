@@ -13,28 +13,30 @@ when within it, 1 when not, 2 when a run fails.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
 
+import common
+from train_runs import command
+
+from meshpar.metrics import read_jsonl
+
 DTYPES = ("float32", "bfloat16")
 
 
 def train(config: str, overrides: list[str], compute_dtype: str, workdir: pathlib.Path) -> dict:
     """One run; its eval losses by step and its wall time."""
-    cmd = [
-        sys.executable, "-m", "meshpar.train", "--config", config, *overrides,
-        f"model.compute_dtype={compute_dtype}", "checkpoint.every=0", "train.progress=false", f"workdir={workdir}",
-    ]  # fmt: skip
+    cmd = command(config, workdir, [*overrides, f"model.compute_dtype={compute_dtype}", "checkpoint.every=0",
+                                    "train.progress=false"])  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(workdir / "metrics.jsonl")
     evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     if not evals:
         raise RuntimeError(f"{' '.join(cmd)} logged no eval loss (set train.eval_every)")
@@ -74,10 +76,9 @@ def main(argv=None) -> int:
     print(f"wall time: float32 {runs['float32']['wall_s']:.1f} s, bfloat16 {runs['bfloat16']['wall_s']:.1f} s (machine load: "
           f"{os.getloadavg()[0]:.1f})")  # fmt: skip
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         result = {"config": args.config, "overrides": args.overrides, "final_step": last, "relative_difference": rel,
                   "tolerance": args.tolerance, "within": ok, "runs": runs}  # fmt: skip
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        common.write_json(args.json, result)
     return 0 if ok else 1
 
 

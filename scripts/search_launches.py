@@ -12,10 +12,8 @@ the script exits 1 where it counts more than the program has.
 from __future__ import annotations
 
 import json
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import validate_published as vp
 
 from meshpar import config as config_lib

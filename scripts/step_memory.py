@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
+
+import common
 
 
 def variants(vary: list[str]) -> list[list[str]]:
@@ -121,8 +122,7 @@ def main(argv=None) -> int:
             "jax": jax.__version__,
             "backend": jax.default_backend(),
         }
-        with open(args.json, "w") as f:
-            json.dump({**meta, "source": "XLA compiled.memory_analysis(), per device", "rows": results}, f, indent=2)
+        common.write_json(args.json, {**meta, "source": "XLA compiled.memory_analysis(), per device", "rows": results})
     return 0
 
 

@@ -20,14 +20,11 @@ library with:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run as a file from anywhere: the pipeline lives next to this folder
-    sys.path.insert(0, REPO)
+import common
 
 from input_pipeline import text as text_lib
 from input_pipeline import tokenizer as tokenizer_lib
@@ -139,8 +136,7 @@ def main(argv=None) -> dict:
                 f"tokenized in {r['seconds']:.2f} s ({r['tokens_per_s'] / 1e6:.2f} M tokens/s)"
             )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+        common.write_json(args.json, figures, indent=1)
     return figures
 
 

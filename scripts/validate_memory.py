@@ -55,11 +55,12 @@ from __future__ import annotations
 import argparse
 import glob
 import itertools
-import json
 import random
 import sys
 import time
 import warnings
+
+import common
 
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
 VARIANTS = [
@@ -596,8 +597,7 @@ def main(argv=None) -> int:
         console.print(line)
     console.print(f"{time.perf_counter() - start:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        common.write_json(args.json, out, indent=1)
     return 1 if failed else 0
 
 

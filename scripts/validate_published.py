@@ -64,6 +64,9 @@ import random
 import sys
 import time
 
+import common
+from common import spearman
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGETS = {"jax_mape": 0.15, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10, "memory_within": 0.10}
 VTRAIN = "vtrain_a100_dev.csv"
@@ -273,29 +276,6 @@ def predict(row: Row, text: str):
 
 # ---------------------------------------------------------------------------------------------
 # Statistics
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-
-    def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var else 0.0
 
 
 def summarize(results: list[dict]) -> dict:
@@ -545,7 +525,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "memory": memories,
                "searches": searches, "missed": missed}  # fmt: skip
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        common.write_json(args.json, out)
     for line in missed:
         print(f"missed: {line}")
     return 1 if missed else 0

@@ -25,34 +25,15 @@ error) and counts as a miss, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
+import common
 import numpy as np
 
 BEST_WITHIN = 0.10
 MIN_CORRELATION = 0.7
-
-
-def spearman(a, b) -> float:
-    """Spearman's rank correlation of two sequences: Pearson's on their average ranks."""
-
-    def ranks(x):
-        x = np.asarray(x, dtype=float)
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=float)
-        for value in np.unique(x):  # ties share their average rank
-            tied = x == value
-            r[tied] = r[tied].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denom = np.sqrt((ra * ra).sum() * (rb * rb).sum())
-    return float((ra * rb).sum() / denom) if denom else 0.0
 
 
 def spread(n: int, count: int, top: int = 3) -> list[int]:
@@ -98,16 +79,8 @@ class Runner:
         self.times: list[float] = []  # one median per round
 
     def round(self, steps: int) -> None:
-        import jax
-
-        times = []
-        for i in range(1 + steps):  # one warm-up
-            start = time.perf_counter()
-            self.state, metrics = self.compiled(self.state, self.batches[i % 2], self.flags)
-            jax.block_until_ready((self.state, metrics))
-            if i:
-                times.append(time.perf_counter() - start)
-        self.times.append(statistics.median(times))
+        self.state, times = common.step_times(self.compiled, self.state, self.batches, self.flags, 1 + steps)
+        self.times.append(statistics.median(times[1:]))  # the first a warm-up
 
     @property
     def measured_s(self) -> float:
@@ -184,9 +157,9 @@ def main(argv=None) -> int:
         })  # fmt: skip
     console.print(t)
     order = [i for i, _ in runners]
-    rho = spearman(order, measured)
-    rho_hlo = spearman([r.hlo.total_s for _, r in runners], measured)
-    rho_est = spearman([r.row.estimate.total_s for _, r in runners], measured)
+    rho = common.spearman(order, measured)
+    rho_hlo = common.spearman([r.hlo.total_s for _, r in runners], measured)
+    rho_est = common.spearman([r.row.estimate.total_s for _, r in runners], measured)
     best_gap = measured[0] / fastest - 1
     console.print(
         f"Spearman rank correlation, predicted order vs measured: {rho:.3f} (target >= {MIN_CORRELATION}); "
@@ -203,8 +176,7 @@ def main(argv=None) -> int:
             "config": args.config, "search": search_lib.to_json(result), "spearman": rho, "spearman_hlo": rho_hlo,
             "spearman_estimate": rho_est, "best_gap": best_gap, "rows": rows,
         }  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        common.write_json(args.json, out, indent=1)
     return 0 if rho >= MIN_CORRELATION and best_gap <= BEST_WITHIN and not failed else 1
 
 

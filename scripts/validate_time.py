@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import statistics
 import sys
 import tempfile
 import time
+
+import common
 
 TARGET = 0.25
 MODES = ("direct", "routed")
@@ -48,37 +49,14 @@ def _err(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else 0.0
 
 
-def _run_steps(compiled, state, batches, flags, warmup: int, steps: int):
-    """Run `compiled` warmup + steps times, each run waited for before the next; returns the
-    state, the median wall time of the timed runs and those times."""
-    import jax
-
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batches[i % len(batches)], flags)
-        jax.block_until_ready((state, metrics))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return state, statistics.median(times), times
-
-
 def _median_placement(exp, mode: str, count: int) -> tuple[float, int, bool]:
     """Median seconds a `mode` feeder takes to place one of the experiment's host batches
     (two placements of warm-up first), the batch's bytes and whether any placement aliased."""
     from input_pipeline.feeding import FEEDERS
 
     feeder = FEEDERS[mode](exp.inputs.shardings, exp.cfg.train.batch_size)
-    seconds, aliased, size = [], False, 0
-    for i in range(count + 2):
-        host = exp.inputs.train.batch(i)
-        placed, info = feeder.place(host)
-        del placed
-        if i >= 2:
-            seconds.append(info.seconds)
-            aliased |= info.aliased
-            size = info.total_bytes
-    return statistics.median(seconds), size, aliased
+    timed = common.placements(feeder, (exp.inputs.train.batch(i) for i in range(count + 2)), warmup=2)
+    return statistics.median(p.seconds for p in timed), timed[-1].total_bytes, any(p.aliased for p in timed)
 
 
 def _load(name: str, fresh: bool):
@@ -127,8 +105,9 @@ def measure(path: str, args, workdir: str) -> dict:
         predicted = timing.predict(cfg, exp, text, topology)
         predictions.append(predicted)
         warmup = args.warmup if r == 0 else 1
-        state, step_s, round_times = _run_steps(compiled, state, batches, flags, warmup, args.steps)
-        steps.append(step_s)
+        state, round_times = common.step_times(compiled, state, batches, flags, warmup + args.steps)
+        round_times = round_times[warmup:]
+        steps.append(statistics.median(round_times))
         times.append(round_times)
         split = cost.config_split(cfg, topology)
         for mode in MODES:
@@ -232,8 +211,9 @@ def main(argv=None) -> int:
     )
     console.print(f"topology {topology.name}: {topology.description}", markup=False, soft_wrap=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"target": TARGET, "topology": topology.name, "rows": rows, "skipped": skipped}, f, indent=1)
+        common.write_json(
+            args.json, {"target": TARGET, "topology": topology.name, "rows": rows, "skipped": skipped}, indent=1
+        )
     return 1 if misses or not rows else 0
 
 

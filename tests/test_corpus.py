@@ -4,7 +4,6 @@ and split read back from the shards, resuming after kill -9, refusals, workers, 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import pathlib
@@ -22,11 +21,10 @@ from input_pipeline import text as text_lib
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import tokens as tokens_lib
 from input_pipeline.errors import DataError
+from tests.support import script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "scripts" / "kill_resume.py")
-kr = importlib.util.module_from_spec(_spec)  # its process helpers: what a killed run left running
-_spec.loader.exec_module(kr)
+runs = script("train_runs")  # its process helpers: what a killed run left running
 BPE_2K = str(ROOT / "experiments" / "tokenizers" / "stdlib-bpe-2k.json")
 STDLIB_PACKAGES = ("json", "wsgiref", "importlib/metadata", "concurrent")
 
@@ -216,11 +214,11 @@ def test_kill_9_then_rerun_gives_the_same_corpus(tmp_path):
         while not (out / "units").is_dir() or len(os.listdir(out / "units")) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "it ended before it could be killed"
             time.sleep(0.002)
-        pool = kr.descendants(proc.pid)
+        pool = runs.descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # the preparer alone: its pool's workers must follow it
     finally:
         proc.wait()
-    assert len(pool) >= 2 and kr.still_running(pool) == [], f"workers {pool} outlived the killed preparer"
+    assert len(pool) >= 2 and runs.still_running(pool) == [], f"workers {pool} outlived the killed preparer"
     done = [n for n in os.listdir(out / "units") if n.endswith(".json")]
     assert not (out / "manifest.json").exists() and 3 <= len(done) < units
     with pytest.raises(DataError, match="preparation did not finish.*resumes"):

@@ -6,7 +6,6 @@ The whole dry run (about two minutes on 2 cores) is marked slow:
     python -m pytest -m slow tests/test_device_check.py
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -16,21 +15,16 @@ import time
 
 import pytest
 
+from tests.support import script
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTION_FILES = ("device", "a_feed", "plan", "b_gpu_lm", "c_feeding", "f_kernels", "d_offload", "d_unified_memory")
 OUTPUTS = (*(f"{n}.json" for n in SECTION_FILES), "e_predictions.json", "summary.md", "sections.tsv")
 OPTIONAL = ("orbax", "tensorflow_datasets", "tensorflow", "tensorboardX", "matplotlib", "array_record")
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-device_check = _script("device_check")
-device_report = _script("device_report")
+device_check = script("device_check")
+device_report = script("device_report")
 
 
 def test_the_topology_follows_the_devices_and_every_mesh_uses_them_all(monkeypatch):

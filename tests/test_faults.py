@@ -2,11 +2,10 @@
 a damaged newest checkpoint, a loss gone NaN. Every interrupted run, once resumed, must end
 bit-identical (every leaf of step, params, opt_state, rng) to the uninterrupted run.
 
-The CLI runs in subprocesses (the helpers come from scripts/kill_resume.py); one test runs the
+The CLI runs in subprocesses (the helpers come from scripts/train_runs.py); one test runs the
 train loop in-process, to land a signal at an exact point.
 """
 
-import importlib.util
 import os
 import random
 import re
@@ -21,11 +20,10 @@ import pytest
 
 from meshpar import config, experiment, loop, stop
 from meshpar.checkpoint import Checkpointer
+from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kill_resume", REPO / "scripts" / "kill_resume.py")
-kr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kr)
+runs = script("train_runs")
 
 # When a restore fails on one array, tensorstore may complete the other reads after orbax has
 # closed its event loop; the callback's "Event loop is closed" is harmless but unraisable.
@@ -55,25 +53,25 @@ def cfg_path(tmp_path_factory):
 def reference(cfg_path, env, tmp_path_factory):
     """The uninterrupted run: (final state leaves, its workdir)."""
     workdir = tmp_path_factory.mktemp("reference") / "run"
-    result = kr.run_to_end(cfg_path, workdir, env=env)
+    result = runs.run_to_end(cfg_path, workdir, env=env)
     assert result.returncode == 0, result.stderr
-    state, step, _ = kr.load_state(cfg_path, workdir)
+    state, step, _ = runs.load_state(cfg_path, workdir)
     assert step == STEPS
     return state, workdir
 
 
 def _assert_like_reference(reference, cfg_path, workdir, overrides=()):
     ref_state, ref_dir = reference
-    state, step, skipped = kr.load_state(cfg_path, workdir, overrides)
+    state, step, skipped = runs.load_state(cfg_path, workdir, overrides)
     assert step == STEPS and not skipped
-    identical, n, differ = kr.compare_states(ref_state, state)
+    identical, n, differ = runs.compare_states(ref_state, state)
     assert identical and n == len(ref_state) > 0, f"leaves differing from the uninterrupted run: {differ}"
-    assert kr.losses(workdir) == kr.losses(ref_dir)  # rows after each kill's checkpoint were dropped, then redone
-    assert not kr.inflight_saves(Path(workdir) / "checkpoints")
+    assert runs.losses(workdir) == runs.losses(ref_dir)  # rows after each kill's checkpoint were dropped, then redone
+    assert not runs.inflight_saves(Path(workdir) / "checkpoints")
 
 
 def _resume(cfg_path, workdir, env, overrides=()):
-    result = kr.run_to_end(cfg_path, workdir, overrides, resume=True, env=env)
+    result = runs.run_to_end(cfg_path, workdir, overrides, resume=True, env=env)
     assert result.returncode == 0, result.stderr
     return [line for line in result.stderr.splitlines() if line.strip()]
 
@@ -101,9 +99,9 @@ def test_kill9_cycles_then_resume_is_bit_identical(reference, cfg_path, env, tmp
     workdir, rng = tmp_path / "run", random.Random(f"kill9 {feed}")
     workers = "data.workers=2" in feed
     for cycle in range(3):
-        last = max(kr.logged_steps(workdir), default=0)
+        last = max(runs.logged_steps(workdir), default=0)
         target = rng.randint(last + 1, last + max((STEPS - 6 - last) // (3 - cycle), 1))
-        rec = kr.interrupt(
+        rec = runs.interrupt(
             cfg_path, workdir, feed, target=target, delay=rng.choice([0.0, rng.uniform(0, 0.02)]), env=env
         )
         assert rec["rc"] == -signal.SIGKILL, rec["stderr"]
@@ -123,7 +121,7 @@ def test_kill9_while_a_save_is_in_flight_keeps_the_previous_one(reference, cfg_p
     # attempt says nothing about mid-save kills, so it is made again (a few times at most).
     for attempt in range(4):
         workdir = tmp_path / f"run{attempt}"
-        rec = kr.interrupt(cfg_path, workdir, target=3 * EVERY, env=env)
+        rec = runs.interrupt(cfg_path, workdir, target=3 * EVERY, env=env)
         assert rec["rc"] == -signal.SIGKILL and rec["killed_at"] >= 3 * EVERY
         inflight = [int(name.split(".")[0]) for name in rec["inflight_after"]]
         if inflight:
@@ -138,7 +136,7 @@ def test_kill9_while_a_save_is_in_flight_keeps_the_previous_one(reference, cfg_p
 def test_resume_of_a_finished_run_is_a_no_op(reference, cfg_path, env, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(reference[1], workdir)
-    result = kr.run_to_end(cfg_path, workdir, resume=True, env=env)
+    result = runs.run_to_end(cfg_path, workdir, resume=True, env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
 
 
@@ -157,7 +155,7 @@ def stopped(cfg_path, env, tmp_path_factory):
     def get(sig):
         if sig not in _stopped:
             workdir = tmp_path_factory.mktemp(sig.name) / "run"
-            _stopped[sig] = kr.interrupt(cfg_path, workdir, target=10, sig=sig, resume=False, env=env), workdir
+            _stopped[sig] = runs.interrupt(cfg_path, workdir, target=10, sig=sig, resume=False, env=env), workdir
         return _stopped[sig]
 
     return get
@@ -249,12 +247,12 @@ def damaged(request, cfg_path, env, tmp_path_factory, stopped):
         _, saved = stopped(signal.SIGTERM)
         workdir = tmp_path_factory.mktemp(how) / "run"
         shutil.copytree(saved, workdir)
-        steps = kr.committed_steps(workdir / "checkpoints")
+        steps = runs.committed_steps(workdir / "checkpoints")
         if how == "garbage":
             _garble(workdir / "checkpoints" / str(steps[-1]))
         else:
             (workdir / "checkpoints" / str(steps[-1]) / "state" / "manifest.ocdbt").unlink()
-        result = kr.run_to_end(cfg_path, workdir, resume=True, env=env)
+        result = runs.run_to_end(cfg_path, workdir, resume=True, env=env)
         assert result.returncode == 0, result.stderr
         _damaged[how] = how, workdir, steps[-1], steps[-2], result.stderr
     return _damaged[how]
@@ -298,7 +296,7 @@ NAN_LINE = (
 @pytest.fixture(scope="module")
 def nan_run(cfg_path, env, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("nan") / "run"
-    return kr.run_to_end(cfg_path, workdir, NAN, env=env), workdir
+    return runs.run_to_end(cfg_path, workdir, NAN, env=env), workdir
 
 
 def test_non_finite_loss_exits_1_and_every_checkpoint_left_is_finite(cfg_path, nan_run, tmp_path):
@@ -309,8 +307,8 @@ def test_non_finite_loss_exits_1_and_every_checkpoint_left_is_finite(cfg_path, n
     assert len(lines) == 1, result.stderr
     m = re.fullmatch(NAN_LINE, lines[0])
     assert m, lines[0]
-    kept = kr.committed_steps(workdir / "checkpoints")
-    assert kept and max(kept) < int(m[1]) and not kr.inflight_saves(workdir / "checkpoints")
+    kept = runs.committed_steps(workdir / "checkpoints")
+    assert kept and max(kept) < int(m[1]) and not runs.inflight_saves(workdir / "checkpoints")
     # Every checkpoint left restores (newest first; each then removed) to finite values.
     exp = experiment.build(config.load(cfg_path, [*NAN, "checkpoint.every=0", f"workdir={tmp_path / 'target'}"]))
     target = (
@@ -329,4 +327,4 @@ def test_non_finite_loss_exits_1_and_every_checkpoint_left_is_finite(cfg_path, n
 def test_non_finite_loss_names_the_newest_checkpoint(nan_run):
     result, workdir = nan_run
     m = re.fullmatch(NAN_LINE, result.stderr.strip())
-    assert m and m[4] is not None and int(m[4]) == max(kr.committed_steps(workdir / "checkpoints")), result.stderr
+    assert m and m[4] is not None and int(m[4]) == max(runs.committed_steps(workdir / "checkpoints")), result.stderr

@@ -5,7 +5,6 @@ Its 2-step run at laptop size is ``tests/test_experiments.py::test_experiment_ru
 (the header's small-size command); the device check's --dry-run uses the same overrides.
 """
 
-import importlib.util
 import json
 import pathlib
 import shlex
@@ -17,6 +16,7 @@ import pytest
 
 from meshpar import config
 from meshpar.models import attention
+from tests.support import script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU_LM = ROOT / "experiments" / "gpu_lm.yaml"
@@ -24,10 +24,7 @@ GIB = 1 << 30
 
 
 def _device_check():
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("device_check")
 
 
 def test_gpu_lm_is_a_bf16_language_model_with_float32_weights_and_cudnn_attention_over_long_sequences():

@@ -6,7 +6,6 @@ the file or the worker and the last checkpoint, changing nothing on disk."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import re
 import shutil
@@ -23,11 +22,10 @@ from input_pipeline.batching import HostLoader
 from input_pipeline.tokens import TokenSource
 from meshpar import config, inputs, train
 from meshpar.metrics import read_jsonl
+from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kill_resume", REPO / "scripts" / "kill_resume.py")
-kr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kr)
+runs = script("train_runs")
 
 BPE = REPO / "experiments" / "tokenizers" / "stdlib-bpe-2k.json"
 LENGTH, BATCH = 32, 16
@@ -77,15 +75,15 @@ def test_training_is_the_same_for_0_and_2_workers_and_resumes_across_them(byte_c
     ref = tmp_path / "ref"
     summary = train.run(config.load(path, [f"workdir={ref}"]))
     assert summary["final_eval_loss"] is not None
-    ref_state, step, _ = kr.load_state(path, ref)
+    ref_state, step, _ = runs.load_state(path, ref)
     assert step == 8
     # Saved with 2 workers at step 4, resumed with none; and the other way round.
     for first, then in (("data.workers=2", "data.workers=0"), ("data.workers=0", "data.workers=2")):
         workdir = tmp_path / first
         train.run(config.load(path, [f"workdir={workdir}", first, "train.steps=4"]))
         train.run(config.load(path, [f"workdir={workdir}", then, "checkpoint.resume=auto"]))
-        state, step, skipped = kr.load_state(path, workdir)
-        identical, n, differ = kr.compare_states(ref_state, state)
+        state, step, skipped = runs.load_state(path, workdir)
+        identical, n, differ = runs.compare_states(ref_state, state)
         assert step == 8 and not skipped and identical and n == len(ref_state), differ
         assert _losses(workdir) == _losses(ref)
 
@@ -164,7 +162,7 @@ def test_a_corrupt_token_mid_run_stops_it_naming_the_shard_and_the_last_checkpoi
         lines[0]
     )
     assert (
-        kr.committed_steps(workdir / "checkpoints") == [4] and max(kr.logged_steps(workdir)) == 4
+        runs.committed_steps(workdir / "checkpoints") == [4] and max(runs.logged_steps(workdir)) == 4
     )  # step 5 ran, unsaved
     saved = _tree_digest(workdir / "checkpoints")
     # With verify on (the default), the same shard is refused when the corpus opens, by its checksum.
@@ -183,7 +181,7 @@ def test_a_corrupt_token_mid_run_stops_it_naming_the_shard_and_the_last_checkpoi
 def _grain_workers(pid: int) -> list[int]:
     """The data workers below the training process `pid` (not multiprocessing's resource tracker)."""
     found = []
-    for child in kr.descendants(pid):
+    for child in runs.descendants(pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
@@ -197,7 +195,7 @@ def _grain_workers(pid: int) -> list[int]:
 def test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoint(byte_corpus, tmp_path, env):
     path = _cfg_path(tmp_path, byte_corpus)
     workdir = tmp_path / "run"
-    proc = kr.launch(
+    proc = runs.launch(
         path,
         workdir,
         ["data.workers=2", "train.steps=2000", "checkpoint.every=2", "train.eval_every=0"],
@@ -205,7 +203,7 @@ def test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoi
         env=env,
     )
     try:
-        kr.wait_for_step(proc, workdir, 3, timeout=300)
+        runs.wait_for_step(proc, workdir, 3, timeout=300)
         deadline = time.monotonic() + 30
         while len(workers := _grain_workers(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -223,11 +221,11 @@ def test_a_worker_killed_by_the_os_stops_the_run_naming_it_and_the_last_checkpoi
         lines[0],
     ), lines
     saved = int(lines[0].rsplit(" ", 1)[1])
-    assert saved >= 2 and kr.committed_steps(workdir / "checkpoints")[-1] == saved
-    assert kr.still_running(kr.descendants(proc.pid) + workers, wait=10) == []
+    assert saved >= 2 and runs.committed_steps(workdir / "checkpoints")[-1] == saved
+    assert runs.still_running(runs.descendants(proc.pid) + workers, wait=10) == []
     # The run resumes from there, without workers.
-    result = kr.run_to_end(
+    result = runs.run_to_end(
         path, workdir, [f"train.steps={saved + 2}", "checkpoint.every=2", "train.eval_every=0"], resume=True, env=env
     )
     assert result.returncode == 0, result.stderr
-    assert max(kr.logged_steps(workdir)) == saved + 2
+    assert max(runs.logged_steps(workdir)) == saved + 2

@@ -4,7 +4,6 @@ signal together, and resume after being killed bit-identically to a run never st
 The CLI runs in subprocesses; the helpers here are also used by tests/test_distributed.py.
 """
 
-import importlib.util
 import re
 import signal
 import socket
@@ -18,11 +17,10 @@ import pytest
 
 from meshpar import config, train
 from meshpar.metrics import read_jsonl
+from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kill_resume", REPO / "scripts" / "kill_resume.py")
-kr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kr)
+runs = script("train_runs")
 
 CONFIG = """
 mesh: data:4,model:2
@@ -136,7 +134,7 @@ def reference(cfg_path, env, tmp_path_factory):
     """Two processes, uninterrupted, direct feeding, checkpointing: (final state leaves, workdir)."""
     workdir = tmp_path_factory.mktemp("reference") / "run"
     run_two(cfg_path, workdir, f"checkpoint.every={EVERY}", env=env)
-    state, step, _ = kr.load_state(cfg_path, workdir)  # in this process, one process, same mesh
+    state, step, _ = runs.load_state(cfg_path, workdir)  # in this process, one process, same mesh
     assert step == 12
     return state, workdir
 
@@ -156,7 +154,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_saves_it(cfg_path, en
     workdir = tmp_path / "run"
     # Enough steps that the signal lands mid-run; no periodic save before it.
     procs = launch(cfg_path, workdir, "train.steps=400", "checkpoint.every=200", env=env)
-    wait_until(lambda: max(kr.logged_steps(workdir), default=0) >= 2, procs)  # rows come from process 0
+    wait_until(lambda: max(runs.logged_steps(workdir), default=0) >= 2, procs)  # rows come from process 0
     procs[1].send_signal(signal.SIGTERM)
     results = finish(procs)
     steps = []
@@ -167,8 +165,8 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_saves_it(cfg_path, en
         assert m and m[1] == m[2], lines[0]
         steps.append(int(m[1]))
     assert steps[0] == steps[1] < 400  # both stopped at the step the flag reached them, together
-    assert kr.committed_steps(workdir / "checkpoints")[-1] == steps[0]  # the line said so: it is saved
-    assert max(kr.logged_steps(workdir)) == steps[0]
+    assert runs.committed_steps(workdir / "checkpoints")[-1] == steps[0]  # the line said so: it is saved
+    assert max(runs.logged_steps(workdir)) == steps[0]
 
 
 def test_both_killed_after_a_checkpoint_then_resumed_end_bit_identical(reference, cfg_path, env, tmp_path):
@@ -176,17 +174,17 @@ def test_both_killed_after_a_checkpoint_then_resumed_end_bit_identical(reference
     # none: the data position is the step, whoever assembles the batches.
     workdir, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
     procs = launch(cfg_path, workdir, f"checkpoint.every={EVERY}", "data.workers=2", env=env)
-    wait_until(lambda: bool(kr.committed_steps(ckpt)), procs)  # step 4 committed; 8 steps to go
-    children = [pid for p in procs for pid in kr.descendants(p.pid)]
+    wait_until(lambda: bool(runs.committed_steps(ckpt)), procs)  # step 4 committed; 8 steps to go
+    children = [pid for p in procs for pid in runs.descendants(p.pid)]
     for p in procs:
         p.kill()
     assert [rc for rc, _ in finish(procs)] == [-signal.SIGKILL] * 2
-    assert len(children) >= 4 and kr.still_running(children) == []  # no worker outlives its process
-    killed_at = max(kr.logged_steps(workdir))
-    assert EVERY <= kr.committed_steps(ckpt)[-1] < 12 and killed_at < 12
+    assert len(children) >= 4 and runs.still_running(children) == []  # no worker outlives its process
+    killed_at = max(runs.logged_steps(workdir))
+    assert EVERY <= runs.committed_steps(ckpt)[-1] < 12 and killed_at < 12
     run_two(cfg_path, workdir, f"checkpoint.every={EVERY}", env=env, resume=True)
-    state, step, skipped = kr.load_state(cfg_path, workdir)
+    state, step, skipped = runs.load_state(cfg_path, workdir)
     assert step == 12 and not skipped
-    identical, n, differ = kr.compare_states(reference[0], state)
+    identical, n, differ = runs.compare_states(reference[0], state)
     assert identical and n == len(reference[0]) > 0, f"leaves differing from the uninterrupted run: {differ}"
-    assert kr.losses(workdir) == kr.losses(reference[1])  # the killed run's later rows were redone, same bits
+    assert runs.losses(workdir) == runs.losses(reference[1])  # the killed run's later rows were redone, same bits

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from meshpar import config as config_lib
+from tests.support import script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SLICE = ROOT / "tests" / "fixtures" / "published"
-sys.path.insert(0, str(ROOT / "scripts"))
-import validate_published as vp
+vp = script("validate_published")
 
 
 def test_every_row_becomes_a_valid_config_with_its_layout():

@@ -1,0 +1,168 @@
+"""What the scripts in this folder share (it is no script itself): the repository on
+``sys.path``; timing, as medians over repeats after a warm-up; statistics over rounds (a 95%
+bootstrap interval of a median, Spearman's rank correlation); XLA's memory figures of a compiled
+program; a feeder's own timing of its placements; and a result's table and JSON.
+
+A script imports it as ``import common``: Python puts a script's own folder first on
+``sys.path``. Importing it puts the repository there too, so that a script runs from a checkout
+whose ``meshpar`` is not installed. It imports neither jax nor meshpar at its top: some scripts
+set jax's environment (``JAX_PLATFORMS``) before jax is first imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """The median wall time of `repeats` calls of `fn` after `warmup` untimed ones (compilation,
+    allocation, the page cache), and the last call's result.
+
+    A result holding jax arrays is waited for (``jax.block_until_ready``) within its time. Each
+    result is dropped before the next call, so that two are never alive at once (a placed batch
+    holds device memory)."""
+    times, result = [], None
+    for i in range(warmup + repeats):
+        result = None
+        start = time.perf_counter()
+        result = fn()
+        jax = sys.modules.get("jax")  # a result can hold jax arrays only once jax is imported
+        if jax is not None:
+            jax.block_until_ready(result)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def step_times(step, state, batches: Sequence, flags, n: int, first: int = 0) -> tuple[Any, list[float]]:
+    """`n` calls of a compiled train step ``step(state, batch, flags) -> (state, metrics)`` on
+    ``batches[(first + i) % len(batches)]``, each waited for (``jax.block_until_ready``) before
+    the next is dispatched: a time is one run of the program with nothing beside it, and with
+    simulated CPU devices more than two steps in flight can deadlock XLA's collectives. The
+    state after them, and each call's wall time."""
+    import jax  # here: see the module docstring
+
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        state, metrics = step(state, batches[(first + i) % len(batches)], flags)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return state, times
+
+
+def placements(feeder, batches: Iterable, warmup: int = 1) -> list:
+    """Each host batch of `batches` placed by `feeder` (an ``input_pipeline.feeding.Feeder``) in
+    turn, each placed batch dropped at once (only a routed feeder's staging copy outlives it);
+    the feeder's own timing of each (``Placement``: host batch in, every array ready on its
+    devices), the first `warmup` left out."""
+    out = []
+    for i, host in enumerate(batches):
+        placed, info = feeder.place(host)
+        del placed
+        if i >= warmup:
+            out.append(info)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def bootstrap_median(values: Sequence[float], rng: np.random.Generator | None = None, samples: int = 10_000):
+    """(low, high): the 95% bootstrap interval of the median of `values` (`samples` resamples
+    with replacement). One `rng` for a whole run keeps its intervals on one seeded stream; by
+    default a generator seeded 0."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    values = np.asarray(values, dtype=float)
+    medians = np.median(rng.choice(values, (samples, len(values))), axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's on the average ranks (ties share theirs); 0 when
+    either sequence is constant."""
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(list(xs)), ranks(list(ys))
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA's figures
+
+
+def memory_analysis(compiled) -> dict:
+    """XLA's ``memory_analysis()`` of a compiled program, per device: every ``*_in_bytes`` field
+    (``host_*`` included) as an int."""
+    # meshpar here, not at the top: importing it imports jax (see the module docstring).
+    from meshpar import jax_compat
+
+    stats = jax_compat.memory_analysis(compiled)
+    return {name: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+_SPEC = re.compile(r"^(?P<align>(.?[<>=^])?)(?P<sign>[-+ ]?)(?P<zero>0?)(?P<width>\d*)(?P<rest>.*)$")
+
+
+def table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence]) -> str:
+    """A plain-text table. `columns` are (header, format spec) pairs, e.g. ``("step ms",
+    ">.3f")`` or ``("feeder", "<")``; every column is as wide as its header or its spec's width,
+    whichever is wider, and the header is aligned as the column (right unless the spec says).
+    A None cell prints as ``-``."""
+    specs, heads = [], []
+    for header, spec in columns:
+        m = _SPEC.match(spec)
+        width = max(int(m["width"] or 0), len(header))
+        align = m["align"][-1:] or ">"
+        specs.append((f"{m['align']}{m['sign']}{m['zero']}{width}{m['rest']}", f"{align}{width}"))
+        heads.append(f"{header:{align}{width}}")
+    lines = [" ".join(heads)]
+    for row in rows:
+        cells = [f"{'-':{blank}}" if v is None else format(v, spec) for (spec, blank), v in zip(specs, row)]
+        lines.append(" ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def write_json(path: str | pathlib.Path, data: Any, indent: int = 2) -> pathlib.Path:
+    """`data` as JSON at `path` (its folder made if missing), ending in a newline; the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent) + "\n")
+    return path
