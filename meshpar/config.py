@@ -482,11 +482,11 @@ def check(cfg: Config) -> None:
     for i, key in enumerate(cfg.checkpoint.allow_changes):
         if not _is_key(cfg, key):
             raise ConfigError(f"checkpoint.allow_changes[{i}]", f"{short(key)} is not a config key or section")
-    max_length = getattr(cfg.model, "max_length", None)
-    if source.token_windows and max_length is not None and cfg.data.length > max_length:
-        raise ConfigError("data.length", f"{cfg.data.length} exceeds model.max_length {max_length}")
+    model = models_lib.traits(cfg.model)  # the family's reading of its config, not its fields by name
+    if source.token_windows and model.max_length is not None and cfg.data.length > model.max_length:
+        raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
-    block, attention = getattr(cfg.model, "attention_block", None), getattr(cfg.model, "attention", None)
+    block, attention = model.attention_block, model.attention
     if (
         source.token_windows
         and attention in ("blockwise", "cudnn")
@@ -494,8 +494,9 @@ def check(cfg: Config) -> None:
         and cfg.data.length % block
     ):
         raise ConfigError(
-            "model.attention_block",
-            f"{block} does not divide data.length {cfg.data.length} (model.attention: {attention} splits it into blocks)",
+            model.key("attention_block"),
+            f"{block} does not divide data.length {cfg.data.length} ({model.key('attention')}: {attention} splits "
+            "it into blocks)",
         )
 
 
@@ -512,25 +513,25 @@ def _check_offload(cfg: Config) -> None:
     setting = cfg.offload.activations
     if setting == "none":
         return
-    key, model = "offload.activations", cfg.model
-    if models_lib.family(model.name).activation_names is None:
+    key, name, model = "offload.activations", cfg.model.name, models_lib.traits(cfg.model)
+    if models_lib.family(name).activation_names is None:
         raise ConfigError(
-            key, f"{setting} keeps the values a model family names, and family {model.name} names no activations "
+            key, f"{setting} keeps the values a model family names, and family {name} names no activations "
             "(activation_names not given; use none)",
         )  # fmt: skip
-    if not hasattr(model, "scan_layers"):
-        raise ConfigError(key, f"{setting} needs a layer loop, and model {model.name} has none (use none)")
-    if model.remat != "none":
-        raise ConfigError(
-            key, f"{setting} replaces model.remat's policy, so model.remat must be none (it is {model.remat})"
-        )
+    if model.scan_layers is None:
+        raise ConfigError(key, f"{setting} needs a layer loop, and model {name} has none (use none)")
+    if model.remat_on:
+        remat = model.key("remat")
+        raise ConfigError(key, f"{setting} replaces {remat}'s policy, so {remat} must be none (it is {model.remat})")
     if not model.scan_layers:
-        raise ConfigError(key, f"{setting} needs the layer loop: set model.scan_layers true")
-    if model.n_layers > 1 and model.scan_unroll >= model.n_layers:
+        raise ConfigError(key, f"{setting} needs the layer loop: set {model.key('scan_layers')} true")
+    layers = model.stack_layers or 1
+    if layers > 1 and model.scan_unroll >= layers:
         raise ConfigError(
             key,
-            f"{setting} needs a layer loop, but model.scan_unroll {model.scan_unroll} unrolls all "
-            f"{model.n_layers} layers (use 0 or fewer than {model.n_layers})",
+            f"{setting} needs a layer loop, but {model.key('scan_unroll')} {model.scan_unroll} unrolls all "
+            f"{layers} layers (use 0 or fewer than {layers})",
         )
 
 
@@ -588,7 +589,8 @@ def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
             key, f"host offload inside a pipeline's stages is not supported (layers:{axes}); offload.optimizer is"
         )
     sched = pipeline_lib.Schedule(axes, mesh_shape[axes], cfg.train.microbatches, p.schedule, p.repeats)
-    problem = pipeline_lib.problem(sched, pipeline_lib.stack_layers(cfg.model))
+    model = models_lib.traits(cfg.model)
+    problem = pipeline_lib.problem(sched, model.stack_layers, model.key("stack_layers"))
     if problem:
         raise ConfigError(*problem)
 

@@ -61,9 +61,9 @@ def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
     problem = family.check_data(inputs.element_spec)
     if problem:
         raise DataError(f"{cfg.data.source} data for model {cfg.model.name}: {problem}")
-    num_classes = getattr(inputs.train.source, "num_classes", None)
-    if num_classes is not None and getattr(cfg.model, "num_classes", num_classes) != num_classes:
-        raise ConfigError("model.num_classes", f"{cfg.model.num_classes} but the data has {num_classes} classes")
+    num_classes, model = getattr(inputs.train.source, "num_classes", None), models.traits(cfg.model)
+    if num_classes is not None and model.num_classes not in (None, num_classes):
+        raise ConfigError(model.key("num_classes"), f"{model.num_classes} but the data has {num_classes} classes")
 
 
 def build(cfg: Config) -> Experiment:

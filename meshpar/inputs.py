@@ -16,7 +16,7 @@ from input_pipeline.errors import DataError
 from input_pipeline.feeding import FEEDERS, Feeder, process_rows
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.workers import WorkerBatches
-from meshpar import sources
+from meshpar import models, sources
 from meshpar.config import Config, ConfigError, DataConfig
 from meshpar.hf import files as hf_files
 from meshpar.layout import Layout
@@ -97,7 +97,7 @@ def check_vocab(cfg: Config) -> None:
     """A model whose vocabulary is smaller than the tokenizer's would index past its embedding
     (XLA clamps the lookup silently): refused before the corpus is read. Reads only the
     tokenizer file (or a prepared corpus's manifest)."""
-    vocab = getattr(cfg.model, "vocab_size", None)
+    vocab = models.traits(cfg.model).vocab_size
     if vocab is not None:
         tokenizer = functools.partial(load_tokenizer, cfg.data, cfg.checkpoint.init_from)
         sources.of(cfg.data).check_vocab(cfg.data, vocab, tokenizer)
@@ -134,7 +134,7 @@ def batch_shardings(element_spec: dict, layout: Layout, mesh: Mesh) -> dict[str,
 def build(cfg: Config, mesh: Mesh, layout: Layout) -> Inputs:
     check_vocab(cfg)  # before tokenizing the corpus, which can take seconds
     init_from = cfg.checkpoint.init_from
-    vocab = getattr(cfg.model, "vocab_size", None)
+    vocab = models.traits(cfg.model).vocab_size
     train_source = make_source(cfg.data, "train", cfg.train.seed, init_from, vocab)
     spec = train_source.element_spec
     shardings = batch_shardings(spec, layout, mesh)

@@ -21,11 +21,10 @@ activations keep the layout's.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 # meshpar.mesh first: it makes sure a bad JAX_NUM_CPU_DEVICES cannot break `import jax`.
 from meshpar.mesh import name_problem, show_name, split_pairs  # isort: skip
@@ -33,7 +32,7 @@ from meshpar.mesh import name_problem, show_name, split_pairs  # isort: skip
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshpar import jax_compat
+from meshpar import jax_compat, tracing
 
 
 class LayoutError(ValueError):
@@ -255,30 +254,28 @@ class Layout:
         return NamedSharding(mesh, self.spec(dims))
 
 
-# The layout and mesh that `constrain` resolves names with while a model is traced.
-_ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar("meshpar_layout", default=None)
-# Whether the parameters the traced model is given live in pinned host memory (offload.params).
-_PARAMS_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_params_on_host", default=False)
-# The dims `constrain` has placed within `recording()`: the names a traced model's tensors carry.
-_SEEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("meshpar_seen_dims", default=None)
-
-
-@contextlib.contextmanager
-def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> Iterator[None]:
-    """Within this block, :func:`constrain` places activations by `layout` on `mesh`.
+def activate(layout: Layout, mesh: Mesh, params_on_host: bool = False) -> contextlib.AbstractContextManager:
+    """Within this block, :func:`constrain` places activations by `layout` on `mesh` (the
+    enclosing :class:`meshpar.tracing.Trace` with these three fields changed).
     `params_on_host`: the parameters the model is given live in pinned host memory, and
     :func:`use` moves each to the devices where the model uses it (see :mod:`meshpar.offload`)."""
-    token, host = _ACTIVE.set((layout, mesh)), _PARAMS_ON_HOST.set(params_on_host)
-    try:
-        yield
-    finally:
-        _PARAMS_ON_HOST.reset(host)
-        _ACTIVE.reset(token)
+    return tracing.using(layout=layout, mesh=mesh, params_on_host=params_on_host)
+
+
+def _active() -> tuple[Layout, Mesh] | None:
+    """The layout and mesh names are resolved with while a model is traced, or None."""
+    trace = tracing.current()
+    return None if trace.layout is None else (trace.layout, trace.mesh)
+
+
+def active_layout() -> Layout | None:
+    """The layout of the enclosing trace, or None."""
+    return tracing.current().layout
 
 
 def active_mesh() -> Mesh | None:
-    """The mesh of the enclosing :func:`activate` block, or None."""
-    active = _ACTIVE.get()
+    """The mesh of the enclosing trace, or None."""
+    active = _active()
     return None if active is None else active[1]
 
 
@@ -297,7 +294,7 @@ def platform() -> str:
     (a compile target's, e.g. a GPU's compile-only devices on a host without one), else the
     default backend's. Backend-dependent choices made at trace time (a layer loop's form, the
     attention implementation) ask this, so that they follow the target, not the host."""
-    active = _ACTIVE.get()
+    active = _active()
     if active is not None:
         return active[1].devices.flat[0].platform
     return jax.default_backend()
@@ -305,7 +302,7 @@ def platform() -> str:
 
 def compile_only() -> bool:
     """Whether the active mesh's devices are a compile-only target (nothing can run on them)."""
-    active = _ACTIVE.get()
+    active = _active()
     if active is None:
         return False
     return jax_compat.compile_only_device(active[1].devices.flat[0])
@@ -314,20 +311,8 @@ def compile_only() -> bool:
 def same_split(a: str, b: str) -> bool:
     """Whether the active layout splits dims `a` and `b` over the same mesh axes (True when no
     layout is active: nothing is split)."""
-    active = _ACTIVE.get()
+    active = _active()
     return active is None or active[0].axis(a) == active[0].axis(b)
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[set[str]]:
-    """Within this block, the name of every dim that :func:`constrain` places (under
-    :func:`activate`, so every parameter the model uses and every activation it constrains) is
-    added to the set this yields: the dims a model traced in the block has."""
-    token = _SEEN.set(set())
-    try:
-        yield _SEEN.get()
-    finally:
-        _SEEN.reset(token)
 
 
 def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
@@ -341,8 +326,8 @@ def use(w: jax.Array, dims: Sequence[str | None], dtype=None) -> jax.Array:
     alone, XLA's partitioner moves the gather in front of the cast, and a bfloat16 model's
     gathers would move float32.
     """
-    active = _ACTIVE.get()
-    if active is not None and _PARAMS_ON_HOST.get():
+    active = _active()
+    if active is not None and tracing.current().params_on_host:
         # Offloaded parameters: moved to the devices first, in the parameter's own split (a
         # layer of a scanned stack is sliced in host memory by the loop, then moved here).
         layout, mesh = active
@@ -406,9 +391,9 @@ _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def _placing(layout: Layout, x: jax.Array, dims: Sequence[str | None]) -> None:
-    """Record `dims` (within :func:`recording`) and check `x`'s shape against `layout`, at trace
+    """Record `dims` (in the trace's ``seen``, when it collects) and check `x`'s shape against `layout`, at trace
     time, before `x` is placed by it."""
-    seen = _SEEN.get()
+    seen = tracing.current().seen
     if seen is not None:
         seen.update(d for d in dims if d is not None)
     layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
@@ -420,7 +405,7 @@ def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     Outside :func:`activate` (e.g. a model used on one device) this is the identity, so model
     code never branches on whether it is distributed.
     """
-    active = _ACTIVE.get()
+    active = _active()
     if active is None:
         return x
     layout, mesh = active

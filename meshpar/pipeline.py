@@ -36,10 +36,8 @@ so a checkpoint moves between pipelined and non-pipelined layouts, both ways.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +46,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshpar import layout as layout_lib
+from meshpar import tracing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +86,10 @@ def schedule_for(layout: layout_lib.Layout, kind: str, repeats: int, microbatche
     return Schedule(axis, layout.axis_size("layers"), microbatches, kind, repeats if kind == "circular" else 1)
 
 
-def stack_layers(model_cfg) -> int | None:
-    """The layers of a model's layer stack (``model.n_layers``), or None for a model without one
-    (the MLP): what a stage axis splits."""
-    return getattr(model_cfg, "n_layers", None)
-
-
-def problem(sched: Schedule, n_layers: int | None) -> tuple[str, str] | None:
+def problem(sched: Schedule, n_layers: int | None, key: str) -> tuple[str, str] | None:
     """(config key, what is wrong) when `sched` cannot run a stack of `n_layers` layers (None:
-    the model has no layer stack), else None."""
+    the model has no layer stack), else None. `n_layers` and `key`, the config key that sets it,
+    are the model family's (:class:`meshpar.models.Traits`: ``stack_layers``)."""
     if n_layers is None:
         return "layout", f"layers:{sched.axis} pipelines a layer stack, and this model has none (drop the rule)"
     groups = sched.stages * sched.repeats
@@ -103,7 +97,7 @@ def problem(sched: Schedule, n_layers: int | None) -> tuple[str, str] | None:
         split = (
             f"{sched.stages} stages × {sched.repeats} repeats" if sched.kind == "circular" else f"{sched.stages} stages"
         )
-        return "model.n_layers", f"{n_layers} layers do not split evenly into {split} (mesh axis '{sched.axis}')"
+        return key, f"{n_layers} layers do not split evenly into {split} (mesh axis '{sched.axis}')"
     if sched.kind == "circular" and sched.microbatches < sched.stages:
         return "train.microbatches", (
             f"{sched.microbatches} is fewer than the {sched.stages} stages over '{sched.axis}': the circular schedule "
@@ -122,22 +116,10 @@ def bubble_note(sched: Schedule) -> str | None:
     return None
 
 
-# The schedule `run` follows while a step traces the model (None: layers run in sequence).
-_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("meshpar_pipeline", default=None)
-
-
-@contextlib.contextmanager
-def running(sched: Schedule | None) -> Iterator[None]:
-    """Within this block, :func:`meshpar.models.layers.run_layers` pipelines by `sched` (None: no change)."""
-    token = _ACTIVE.set(sched)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def active() -> Schedule | None:
-    return _ACTIVE.get()
+    """The schedule :func:`meshpar.models.layers.run_layers` follows in the enclosing trace
+    (:class:`meshpar.tracing.Trace`'s ``schedule``; None: layers run in sequence)."""
+    return tracing.current().schedule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,11 +237,9 @@ def _manual_layout(spare: str, dims: tuple[Dims, ...]) -> tuple[layout_lib.Layou
     (abstract) mesh. None outside a stage or without an active layout."""
     abstract = jax.sharding.get_abstract_mesh()
     manual_axes = frozenset(abstract.manual_axes)
-    # The layout the stage's activations follow: meshpar.layout has no public reader of it yet.
-    active = layout_lib._ACTIVE.get()
-    if not manual_axes or active is None:
+    layout = layout_lib.active_layout()  # the one the stage's activations follow
+    if not manual_axes or layout is None:
         return None
-    layout = active[0]
     named = {a for d in dims for entry in layout.spec(d) for a in layout_lib.mesh_axes(entry)}
     extra = tuple(a for a in abstract.axis_names if a not in manual_axes and a not in named)
     if extra:

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshpar import models
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuPeak:
@@ -97,8 +99,9 @@ FLOAT32_MATMUL: dict[str, tuple[str, int, str]] = {
 
 
 def compute_dtype(model_cfg) -> str:
-    """The dtype the model's matmuls run in (``model.compute_dtype``); "float32" for a model without the option."""
-    return getattr(model_cfg, "compute_dtype", "float32")
+    """The dtype the model's matmuls run in, as its family reads its config (:class:`meshpar.models.Traits`:
+    ``model.compute_dtype`` for the built-ins); "float32" for a model without the option."""
+    return models.traits(model_cfg).compute_dtype
 
 
 def matmul_precision() -> str:

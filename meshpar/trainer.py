@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import layout as layout_lib
 from meshpar import offload as offload_lib
-from meshpar import pipeline
+from meshpar import pipeline, tracing
 from meshpar import stop as stop_lib
 from meshpar.config import OptimizerConfig
-from meshpar.models import remat as remat_lib
+from meshpar.tracing import Trace
 
 
 @flax.struct.dataclass
@@ -179,9 +179,9 @@ def check_activations(
     def loss(params, batch):
         return nnx.merge(plan.graphdef, params).loss(batch, rngs=None)
 
-    with layout_lib.activate(layout, mesh), layout_lib.recording() as seen, pipeline.running(plan.schedule):
+    with tracing.using(Trace(layout=layout, mesh=mesh, schedule=plan.schedule, seen=set())) as trace:
         jax.eval_shape(loss, plan.abstract.params, dict(batch))
-    return frozenset(seen)
+    return frozenset(trace.seen)
 
 
 def init_state(
@@ -224,6 +224,13 @@ def make_train_step(
     microbatches are the pipeline's, and the gradients of the whole batch come from one pass."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
     keep = offload_lib.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
+    trace = Trace(
+        layout=layout,
+        mesh=mesh,
+        params_on_host=params_on_host,
+        schedule=schedule,
+        keep=(keep, activations_memory) if keep else None,
+    )
     # jax cannot move host arrays in a partially manual region ("Unhandled OpSharding type"):
     # with offloaded parameters each microbatch's gradients are reduced as it is accumulated
     local = () if params_on_host or schedule is not None else reduced_once(layout, mesh, state_shardings.params)
@@ -238,11 +245,7 @@ def make_train_step(
 
             return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-        with (
-            layout_lib.activate(layout, mesh, params_on_host),
-            remat_lib.keeping(keep, activations_memory),
-            pipeline.running(schedule),
-        ):
+        with tracing.using(trace):
             if microbatches == 1 or schedule is not None:
                 (loss, aux), grads = grad_fn(state.params, batch, step_rng)
             elif local:
@@ -377,10 +380,8 @@ def make_eval_step(
     params_on_host = offload_lib.any_on_host(param_shardings)
 
     def step(params: nnx.State, batch: dict) -> dict:
-        with (
-            layout_lib.activate(layout, mesh, params_on_host),
-            pipeline.running(schedule),
-        ):  # offloaded weights fetched where used
+        # Offloaded weights fetched where used.
+        with tracing.using(Trace(layout=layout, mesh=mesh, params_on_host=params_on_host, schedule=schedule)):
             loss, aux = nnx.merge(graphdef, params).loss(batch, rngs=None)
         return {"loss": loss, **aux}
 

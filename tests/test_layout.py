@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshpar import layout as layout_lib
+from meshpar import tracing
 from meshpar.layout import Layout, LayoutError, activate, constrain, parse_rules
 from meshpar.mesh import build_mesh
 
@@ -182,12 +183,12 @@ def test_unused_and_applies():
 
 def test_recording_collects_the_dims_constrain_places(mesh):
     lay = Layout.create("batch:data", dict(mesh.shape))
-    with activate(lay, mesh), layout_lib.recording() as seen:
+    with tracing.using(layout=lay, mesh=mesh, seen=set()) as trace:
         jax.eval_shape(lambda a: constrain(constrain(a, ("batch", None)), ("batch", "hidden")), jnp.ones((8, 4)))
-    assert seen == {"batch", "hidden"}
-    with layout_lib.recording() as outside:
+    assert trace.seen == {"batch", "hidden"}
+    with tracing.using(seen=set()) as outside:
         constrain(jnp.ones(2), ("pixels",))  # no layout active: nothing is placed, nothing recorded
-    assert outside == set()
+    assert outside.seen == set()
 
 
 def test_create_duplicate_dim():
@@ -326,13 +327,15 @@ def test_constrain_inside_activate_under_jit(mesh):
 def test_activate_restores_on_exit_and_on_error(mesh):
     lay = Layout.create("batch:data", dict(mesh.shape))
     x = jnp.ones((8, 2))
-    with activate(lay, mesh):
-        assert layout_lib._ACTIVE.get() == (lay, mesh)
-    assert layout_lib._ACTIVE.get() is None
+    with tracing.using(keep=(("mlp_out",), "device")):  # activate changes only its own fields
+        with activate(lay, mesh, params_on_host=True):
+            assert tracing.current() == tracing.Trace(lay, mesh, True, keep=(("mlp_out",), "device"))
+        assert tracing.current() == tracing.Trace(keep=(("mlp_out",), "device"))
+    assert tracing.current() == tracing.Trace()
     with pytest.raises(RuntimeError):
         with activate(lay, mesh):
             raise RuntimeError("boom")
-    assert layout_lib._ACTIVE.get() is None
+    assert tracing.current() == tracing.Trace()
     assert constrain(x, ("batch", None)) is x
 
 

@@ -16,14 +16,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshpar import config, layout, parts, pipeline, train
+from meshpar import config, layout, parts, pipeline, tracing, train
 from meshpar.config import ConfigError
 from meshpar.mesh import build_mesh
 from meshpar.metrics import read_jsonl
 from meshpar.models import llama, transformer
 from meshpar.plan import timing
-from tests.test_multihost import kr
+from tests.support import script
 
+kr = script("train_runs")  # the run helpers scripts/kill_resume.py uses: a final state read back
 EXPERIMENT = "experiments/transformer_pipeline.yaml"
 FLAT = "batch:data; d_ff:model; heads:model; vocab:model"  # the experiment's layout without layers:stage
 # Float32 sums in another order (the microbatches' gradients summed inside the pipeline's
@@ -35,7 +36,7 @@ def _loss_and_grads(model_cfg, layout_text, sched, params, batch, graphdef, mesh
     lay = layout.Layout.create(layout_text, dict(mesh.shape), params=param_layout)
 
     def loss(p):
-        with layout.activate(lay, mesh), pipeline.running(sched):
+        with tracing.using(layout=lay, mesh=mesh, schedule=sched):
             return nnx.merge(graphdef, p).loss(batch)[0]
 
     return jax.jit(jax.value_and_grad(loss))(params)

@@ -14,12 +14,13 @@ over the vocabulary; ``param_layout: embed:data`` shards every weight over the d
 
 Two families of the same model (``model.name`` picks one):
 
-* :data:`FAMILY` gives its FLOPs, tokens, split dims and FSDP dims, and leaves the other planner
-  parts out (it has no layer loop, so no ``num_layers``, ``layer_flops``, ``activation_names``;
-  and no ``activation_all_reduces``): the plan says what it cannot give for them.
+* :data:`FAMILY` gives its FLOPs, tokens, split dims and FSDP dims, and its traits (the one
+  setting other code reads, its vocabulary), and leaves the other planner parts out (it has no
+  layer loop, so no ``num_layers``, ``layer_flops``, ``activation_names``; and no
+  ``activation_all_reduces``): the plan says what it cannot give for them.
 * :data:`BARE` gives only what is required (config, build, fields): it trains all the same, and
   the run and the plan say which figures they cannot give (MFU, model FLOPs, model-axis
-  candidates).
+  candidates); its traits are read by the conventional field names (``vocab_size`` here).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import optax
 from flax import nnx
 
 from meshpar.layout import constrain, use
-from meshpar.models import Family
+from meshpar.models import Family, Traits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,12 @@ def flops_per_example(cfg: NgramConfig, element_spec: dict) -> float:
     return float(6 * weights * tokens_per_example(cfg, element_spec))
 
 
+def traits(cfg: NgramConfig) -> Traits:
+    """What meshpar reads of the config: its vocabulary (checked against the tokenizer's and the
+    corpus's). No layer stack, remat, dtype or length limit: each trait's default says so."""
+    return Traits(vocab_size=cfg.vocab_size, keys={"vocab_size": "vocab_size"})
+
+
 FIELDS = {"tokens": (1, "iu")}  # [length + 1] token ids: the model cuts inputs and targets on device
 
 FAMILY = Family(
@@ -120,6 +127,7 @@ FAMILY = Family(
     split_dims=lambda cfg: ("hidden", "vocab"),
     # FSDP: embed is a dim of every weight, so it shards them all; then hidden, then vocab.
     fsdp_dims=lambda cfg, spec: ("embed", "hidden", "vocab"),
+    traits=traits,
     # Left out: activation_all_reduces, num_layers, layer_flops, activation_names (no layer loop).
 )
 

@@ -14,8 +14,14 @@ axis, the dims FSDP may shard (preferred first), the activation all-reduces a mo
 adds per step, its layers and their FLOPs, and the values (``checkpoint_name`` tags) each
 ``offload.activations`` policy keeps in host memory. Each is computed from the config and the
 element spec alone: nothing is traced or built. Each is optional: the planner says which
-figure it cannot give without it (:func:`missing`). The contract, for families written outside
-meshpar, is in ``docs/custom-models.md``.
+figure it cannot give without it (:func:`missing`).
+
+Code outside this package reads a model's config only through its family: besides ``name``, the
+settings it checks, plans by or changes (the layer stack a stage axis splits, the compute dtype,
+the remat policy, the vocabulary, …) are the family's :class:`Traits` (:func:`traits`), never a
+config field read by its name, so a family may name its fields as it likes. One that gives no
+traits is read by the built-ins' field names (:func:`conventional_traits`). The contract, for
+families written outside meshpar, is in ``docs/custom-models.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +48,82 @@ def _one_per_example(cfg: Any, element_spec: dict) -> int:
 
 def _no_rules(cfg: Any, rules: tuple, axis_sizes: dict[str, int]) -> tuple:
     return rules
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Traits:
+    """What code outside a family reads of one model config besides ``model.name``: the config
+    checks, the run's throughput figures and the planner see the model's settings only through
+    these (:func:`traits`), never by a config field's name. A family gives its own
+    (:attr:`Family.traits`); one that gives none is read by the conventional field names
+    (:func:`conventional_traits`). Each default is what a model without the concept has."""
+
+    # The layers of the stacked layer loop (every layer parameter stacked along a leading
+    # ``layers`` dim, run by meshpar.models.layers.run_layers): what a stage axis (layers:<axis>)
+    # splits. None: no stack (the MLP's hidden layers each have dims of their own), so a stage
+    # axis is refused and the search proposes none.
+    stack_layers: int | None = None
+    # Features of the activations between the stack's layers ([batch, length, embed]): what a
+    # pipeline hands from stage to stage. 0: unknown (the search's estimate counts no such traffic).
+    width: int = 0
+    # The dtype the matmuls run in (the peak MFU and the time model are taken at) and the one the
+    # parameters are stored in.
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    # Each layer's remat policy (meshpar.models.remat: none | full | dots). None: the model has no
+    # such setting, so the pre-flight and the offload comparison propose no remat change.
+    remat: str | None = None
+    dropout: float = 0.0  # rate; above 0 the memory model says the config is out of its scope
+    # The longest token window the model takes (data.length may not exceed it). None: any.
+    max_length: int | None = None
+    # The attention core (meshpar.models.attention: auto | xla | blockwise | cudnn) and its key
+    # block, which must divide data.length when smaller under blockwise and cudnn. None: no attention.
+    attention: str | None = None
+    attention_block: int | None = None
+    # Token ids the model embeds (the tokenizer's and the corpus's may not exceed them). None: no vocabulary.
+    vocab_size: int | None = None
+    num_classes: int | None = None  # classes a classifier predicts (the data's must match); None: not one
+    # How the stacked layer loop runs (run_layers): one lax.scan (True) or a Python loop (False).
+    # None: the model has no such loop (offload.activations needs one).
+    scan_layers: bool | None = None
+    scan_unroll: int = 0  # layers per iteration of that scan (0: the backend's choice)
+    # The config field behind each trait above, by the trait's name ({"stack_layers": "n_layers"}):
+    # the key a one-line error names (:meth:`key`), and the field the planner sets to vary a
+    # trait (remat, scan_unroll: :func:`with_settings`). A trait without one is never changed.
+    keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def remat_on(self) -> bool:
+        """Whether a remat policy recomputes each layer in the backward pass."""
+        return self.remat not in (None, "none")
+
+    def key(self, trait: str) -> str:
+        """The config key that sets `trait` (``model.<field>``), or ``model`` where the family names none."""
+        field = self.keys.get(trait)
+        return f"model.{field}" if field else "model"
+
+
+# The field each trait is read from in a config whose family gives no traits: the built-in
+# families' names (the contract's default, docs/custom-models.md).
+CONVENTIONAL: dict[str, str] = {
+    "stack_layers": "n_layers",
+    "width": "d_model",
+    **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "dropout", "max_length", "attention",
+                                  "attention_block", "vocab_size", "num_classes", "scan_layers", "scan_unroll")},
+}  # fmt: skip
+
+
+def conventional_traits(cfg: Any) -> Traits:
+    """The default :attr:`Family.traits`: each trait read from its :data:`CONVENTIONAL` field where
+    `cfg` has that field (which is then its key), else the trait's default."""
+    keys = {trait: field for trait, field in CONVENTIONAL.items() if hasattr(cfg, field)}
+    return Traits(keys=keys, **{trait: getattr(cfg, field) for trait, field in keys.items()})
+
+
+def _traits(values: Callable[[Any], dict[str, Any]]) -> Callable[[Any], Traits]:
+    """A built-in family's :attr:`Family.traits` from its module's keyword arguments of :class:`Traits`
+    (the modules cannot import this package, which imports them)."""
+    return lambda cfg: Traits(**values(cfg))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +150,8 @@ class Family:
     * The planner's parts (each None when not given): ``split_dims``, ``fsdp_dims``,
       ``activation_all_reduces``, ``num_layers``, ``layer_flops``, ``activation_names``, and
       ``layout_rules`` (default: no derived rules). See each field's comment.
+    * ``traits(config) -> Traits`` — the settings other code reads of a config, and the field
+      behind each (:class:`Traits`); default: read by the conventional names (:func:`conventional_traits`).
     """
 
     config: type
@@ -94,12 +178,14 @@ class Family:
     # elements each) of the all-reduces over the ``model`` axis that the split adds to one step.
     # None: the search's analytic estimate counts none (the compiled best K count them from HLO).
     activation_all_reduces: Callable[[Any, dict, int, tuple[str, ...]], tuple[int, int]] | None = None
-    # (config) → the layers of its layer loop. Read by no command today; tests check it against
-    # the layers the planner traces.
+    # (config) → the layers of its layer loop (each one checkpointed call under remat), stacked
+    # or not (a stack's are also Traits.stack_layers). Read by no command today; tests check it
+    # against the layers the planner traces.
     num_layers: Callable[[Any], int] | None = None
     # (config, element spec) → training FLOPs (forward + backward) of one example in each layer
-    # of the layer loop; flops_per_example less their sum is the work outside the layers. Read
-    # by no command today; tests check it against the traced FLOPs.
+    # of the layer loop; flops_per_example less their sum is the work outside the layers. The
+    # search's estimate of a stage axis divides the layers' share over the stages (None: all
+    # the work is divided; meshpar.plan.stages.layer_share); tests check it against the traced FLOPs.
     layer_flops: Callable[[Any, dict], tuple[float, ...]] | None = None
     # offload.activations → the checkpoint_name tags whose values each layer keeps in host
     # memory under that policy (a policy the family does not list does not apply to it). None:
@@ -108,6 +194,9 @@ class Family:
     # (config, layout rules on the mesh, mesh axis sizes) → the rules with those the family
     # derives from them added (a dim that follows another where it divides); by default none.
     layout_rules: Callable[[Any, tuple, dict[str, int]], tuple] = _no_rules
+    # (config) → what other code reads of it, and the field behind each (Traits). Default: read by
+    # the built-ins' field names where the config has them (conventional_traits).
+    traits: Callable[[Any], Traits] = conventional_traits
 
     def check_data(self, element_spec: dict) -> str | None:
         """What is wrong with data of this `element_spec` for this model, or None."""
@@ -135,12 +224,30 @@ MODELS: dict[str, Family] = {
         num_layers=mlp.num_layers,
         layer_flops=mlp.layer_flops,
         activation_names=mlp.ACTIVATION_NAMES,
+        traits=_traits(mlp.traits),
     ),
     # The language models: one decoder (meshpar.models.decoder), each family's config mapped
     # onto its switches.
-    "transformer": Family(config=transformer.TransformerConfig, **decoder.family_parts(transformer.switches)),
-    "llama": Family(config=llama.LlamaConfig, **decoder.family_parts(llama.switches)),
-}
+    "transformer": Family(
+        config=transformer.TransformerConfig, **decoder.family_parts(transformer.switches),
+        traits=_traits(transformer.traits),
+    ),
+    "llama": Family(config=llama.LlamaConfig, **decoder.family_parts(llama.switches), traits=_traits(llama.traits)),
+}  # fmt: skip
+
+
+def traits(model_cfg: Any) -> Traits:
+    """The :class:`Traits` of `model_cfg` (a validated ``model`` section), by its family."""
+    return family(model_cfg.name).traits(model_cfg)
+
+
+def with_settings(model_cfg: Any, **settings: Any) -> Any:
+    """`model_cfg` with settings the planner varies set, by trait name (``remat="full"``,
+    ``scan_unroll=1``), each in the field its family names for it (:attr:`Traits.keys`). A
+    setting the family names no field for is left as it is; with none set, `model_cfg` itself."""
+    keys = traits(model_cfg).keys
+    changes = {keys[trait]: value for trait, value in settings.items() if trait in keys}
+    return dataclasses.replace(model_cfg, **changes) if changes else model_cfg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ rotary), ``context`` (attention's output per head), ``attn_out`` (its output pro
 ``mlp_hidden`` (after the activation, ``[batch, length, d_ff]``). Attention's ``[length,
 length]`` scores carry no name, so a policy that keeps only named values never keeps them. Host
 offload of activations (``offload.activations``) is such a policy, set by the train step
-(:func:`meshpar.models.remat.keeping`) in place of ``remat``.
+(the trace's ``keep``, :class:`meshpar.tracing.Trace`) in place of ``remat``.
 
 Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`).
 """
@@ -379,6 +379,24 @@ def layer_flops(cfg: DecoderConfig, element_spec: dict) -> tuple[float, ...]:
     return (float(per_token * length),) * cfg.n_layers
 
 
+# The decoder's field behind each trait other code reads (meshpar.models.Traits).
+TRAIT_FIELDS = {
+    "stack_layers": "n_layers", "width": "d_model", "compute_dtype": "compute_dtype", "param_dtype": "param_dtype",
+    "remat": "remat", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
+    "attention_block": "attention_block", "vocab_size": "vocab_size", "scan_layers": "scan_layers",
+    "scan_unroll": "scan_unroll",
+}  # fmt: skip
+
+
+def traits(cfg: DecoderConfig, family_cfg: Any) -> dict[str, Any]:
+    """The keyword arguments of :class:`meshpar.models.Traits` of decoder `cfg`, made from the
+    family config `family_cfg`: each trait the decoder's field of :data:`TRAIT_FIELDS` (the whole
+    stack's layers, the embedding's width), set by the family's field of the same name where it
+    has one (Llama has no ``dropout``: its decoder's is 0)."""
+    keys = {trait: field for trait, field in TRAIT_FIELDS.items() if hasattr(family_cfg, field)}
+    return {"keys": keys, **{trait: getattr(cfg, field) for trait, field in TRAIT_FIELDS.items()}}
+
+
 def layout_rules(cfg: DecoderConfig, rules: tuple, axis_sizes: Mapping[str, int]) -> tuple:
     """`rules` with ``kv_heads`` (grouped key/value heads) following ``heads`` where the layout
     splits ``heads``, names no rule for ``kv_heads``, and ``n_kv_heads`` divides by the split;
@@ -394,9 +412,9 @@ def layout_rules(cfg: DecoderConfig, rules: tuple, axis_sizes: Mapping[str, int]
 
 
 def family_parts(switches: Callable[[Any], DecoderConfig]) -> dict[str, Any]:
-    """The fields of a :class:`meshpar.models.Family` (all but ``config``) of a family whose config
-    `switches` maps onto a :class:`DecoderConfig`: the model is a :class:`Decoder`, every figure
-    the planner reads is this module's."""
+    """The fields of a :class:`meshpar.models.Family` (all but ``config`` and ``traits``, see
+    :func:`traits`) of a family whose config `switches` maps onto a :class:`DecoderConfig`: the
+    model is a :class:`Decoder`, every figure the planner reads is this module's."""
 
     def of(fn: Callable) -> Callable:
         return lambda cfg, *args: fn(switches(cfg), *args)

@@ -93,7 +93,7 @@ def scan_unroll(cfg) -> int:
     # remat's saving needs the loop: in straight-line layers XLA:CPU keeps (most of) the
     # activations remat would drop (quickstart at 8 layers, remat full: 50 MiB temp unrolled,
     # 18 MiB in the loop; none: 78 MiB unrolled).
-    # A name-based policy set by the step (activation offload, meshpar.models.remat.keeping)
+    # A name-based policy set by the step (activation offload: the trace's keep, meshpar.tracing.Trace)
     # needs the loop as much.
     remat_on = cfg.remat != "none" or remat_lib.kept() is not None
     if layout_lib.platform() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:

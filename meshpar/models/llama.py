@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from flax import nnx
@@ -112,6 +112,12 @@ def switches(cfg: LlamaConfig) -> decoder.DecoderConfig:
 
 def build(cfg: LlamaConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder.Decoder:
     return decoder.build(switches(cfg), element_spec, rngs)
+
+
+def traits(cfg: LlamaConfig) -> dict[str, Any]:
+    """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
+    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder.traits`)."""
+    return decoder.traits(switches(cfg), cfg)
 
 
 def num_params(cfg: LlamaConfig) -> int:

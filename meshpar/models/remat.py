@@ -22,7 +22,7 @@ layers, compiled temp per device: 78 MiB for none, full and dots alike), so on C
 not unrolled by default when ``remat`` is on.
 
 A step may replace ``model.remat``'s policy for the layers it traces with one that picks by
-name (:func:`keeping`): host offload of activations (``offload.activations``, see
+name (the trace's ``keep``, :class:`meshpar.tracing.Trace`): host offload of activations (``offload.activations``, see
 :mod:`meshpar.offload`) keeps the named values in pinned host memory, and the same names kept
 in device memory are its reference. The models never see the setting; like the layout, it is
 read at trace time.
@@ -30,11 +30,11 @@ read at trace time.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
+
+from meshpar import tracing
 
 # model.remat → the jax.checkpoint policy ("none" → no checkpoint at all).
 POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -44,28 +44,10 @@ POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 
-# (names, where they are kept: "pinned_host" or "device") while a step traces the model; None
-# = model.remat decides.
-_KEEPING: contextvars.ContextVar[tuple[tuple[str, ...], str] | None] = contextvars.ContextVar(
-    "meshpar_keeping", default=None
-)
-
-
-@contextlib.contextmanager
-def keeping(names: Sequence[str], memory: str = "pinned_host") -> Iterator[None]:
-    """Within this block every layer keeps exactly the values tagged `names` for its backward
-    pass, in `memory` (``pinned_host``: offloaded; ``device``: saved), and recomputes the rest;
-    this replaces ``model.remat``. No names: the block changes nothing."""
-    token = _KEEPING.set((tuple(names), memory) if names else None)
-    try:
-        yield
-    finally:
-        _KEEPING.reset(token)
-
-
 def kept() -> tuple[tuple[str, ...], str] | None:
-    """The names-and-memory policy of the enclosing :func:`keeping` block, or None."""
-    return _KEEPING.get()
+    """What every layer keeps for its backward pass in the enclosing trace (names, memory; see
+    :class:`meshpar.tracing.Trace`'s ``keep``), or None: model.remat decides."""
+    return tracing.current().keep
 
 
 def named_policy(names: Sequence[str], memory: str) -> Callable[..., bool]:
@@ -85,7 +67,7 @@ def checkpointed(fn: Callable, remat: str, *, in_scan: bool) -> Callable:
     jax's CSE barriers are left out; an unrolled layer needs them, or XLA would reuse the forward
     values and keep them alive after all.
     """
-    override = _KEEPING.get()
+    override = kept()
     if override is not None:
         return jax.checkpoint(fn, policy=named_policy(*override), prevent_cse=not in_scan)
     if remat == "none":

@@ -29,7 +29,7 @@ Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from flax import nnx
@@ -95,6 +95,12 @@ def switches(cfg: TransformerConfig) -> decoder.DecoderConfig:
 
 def build(cfg: TransformerConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder.Decoder:
     return decoder.build(switches(cfg), element_spec, rngs)
+
+
+def traits(cfg: TransformerConfig) -> dict[str, Any]:
+    """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
+    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder.traits`)."""
+    return decoder.traits(switches(cfg), cfg)
 
 
 def num_params(cfg: TransformerConfig) -> int:

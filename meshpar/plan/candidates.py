@@ -59,7 +59,7 @@ from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
 from meshpar import mesh as mesh_lib
-from meshpar import models, parts, pipeline, trainer
+from meshpar import models, parts, trainer
 from meshpar.config import Config, ConfigError
 from meshpar.plan import cost, memory
 
@@ -71,6 +71,7 @@ FACTORS = (2, 4, 8)  # microbatches and model-axis splitting: times the configur
 # Stacked layers are scanned over: splitting the stack would move whole layers between devices.
 NEVER_SPLIT = frozenset({"layers"})
 # The config key a kind of change names, most disruptive first: a fix names its first key here.
+# The one model change is the remat policy, under the field its family names (model.remat here).
 KEYS = ("mesh", "param_layout", "offload.optimizer", "model.remat", "train.microbatches")
 
 
@@ -89,8 +90,8 @@ class Candidate:
     @property
     def key(self) -> str:
         """The config key this change is mainly about (the most disruptive one it makes)."""
-        keys = {k for k, _ in self.changes}
-        return next(k for k in KEYS if k in keys)
+        keys = {"model.remat" if k.startswith("model.") else k: k for k, _ in self.changes}
+        return keys[next(k for k in KEYS if k in keys)]
 
     def __str__(self) -> str:
         return " ".join(self.overrides)
@@ -141,7 +142,7 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
 def _stage_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[str, int], str]]:
     """(factor, mesh shape, layout rules) for each stage split of `shape` (see the module docstring)."""
     donors = [a for a in cost.batch_axes(cfg.layout) if a in shape and a != STAGE_AXIS]
-    layers = pipeline.stack_layers(cfg.model)
+    layers = models.traits(cfg.model).stack_layers
     if not donors or not layers or STAGE_AXIS in shape:
         return []
     out = []
@@ -261,6 +262,19 @@ def _why_none(params, layout: dict, own: dict, busy: set[str], ways: int, order:
     return "; ".join(reasons)
 
 
+def _combinations(cfg: Config, shape: dict[str, int]) -> itertools.product:
+    """Every combination of the changes tried on `cfg` with a mesh of `shape`: (mesh change:
+    (factor, mesh shape, layout rules, stage split), FSDP, optimizer offload, the remat policy or
+    None, the microbatches or None); the unchanged one among them (see the module docstring)."""
+    model = models.traits(cfg.model)  # a remat change: to full, in the field the family names for it
+    remat = [None, *(["full"] if model.remat not in (None, "full") and "remat" in model.keys else [])]
+    offload = [False, *([True] if not getattr(getattr(cfg, "offload", None), "optimizer", True) else [])]
+    micro = [None, *(cfg.train.microbatches * f for f in FACTORS)]
+    meshes = [(1, shape, None, False), *((*m, False) for m in _model_meshes(cfg, shape))]
+    meshes += [(*m, True) for m in _stage_meshes(cfg, shape)]
+    return itertools.product(meshes, (False, True), offload, remat, micro)
+
+
 def candidates(
     cfg: Config,
     mesh: jax.sharding.Mesh,
@@ -280,17 +294,9 @@ def candidates(
         else element_spec
     )
     skip = skipped.append if skipped is not None else (lambda item: None)
-    k0 = cfg.train.microbatches
-    micro = [None, *(k0 * f for f in FACTORS)]
-    remat = [None, *(["full"] if getattr(cfg.model, "remat", "full") != "full" else [])]
-    offload = [False, *([True] if not getattr(getattr(cfg, "offload", None), "optimizer", True) else [])]
-    meshes = [(1, shape, None, False), *((*m, False) for m in _model_meshes(cfg, shape))]
-    meshes += [(*m, True) for m in _stage_meshes(cfg, shape)]
-    raw = config_lib.to_dict(cfg)
+    raw, remat_key = config_lib.to_dict(cfg), models.traits(cfg.model).key("remat")
     out = []
-    for (factor, mesh_shape, rules, staged), fsdp, off, r, k in itertools.product(
-        meshes, (False, True), offload, remat, micro
-    ):
+    for (factor, mesh_shape, rules, staged), fsdp, off, r, k in _combinations(cfg, shape):
         n = (factor > 1) + fsdp + off + (r is not None) + (k is not None)
         if not n or (staged and fsdp):
             continue
@@ -311,7 +317,7 @@ def candidates(
         if off:
             changes += [("offload.optimizer", "true")]
         if r is not None:
-            changes += [("model.remat", r)]
+            changes += [(remat_key, r)]
         if k is not None:
             changes += [("train.microbatches", str(k))]
         try:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import parts
+from meshpar import models, parts
 from meshpar.config import Config
 from meshpar.plan import shapes
 
@@ -50,7 +50,7 @@ def gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool 
     casts it to (``use`` casts where the parameter is stored, so it is gathered in that dtype)."""
     dtypes = dtypes or {}
     plan, gpu = step.plan, shapes.platform(step) == "gpu"
-    remat = getattr(cfg.model, "remat", "none") != "none"
+    remat = models.traits(cfg.model).remat_on
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     kept = forward = again = relayout = grads = outside = loop = iteration = layers = 0
     kept_by: dict = {}

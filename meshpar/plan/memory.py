@@ -263,6 +263,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -310,14 +311,14 @@ def local_loss(
     params = shapes.local_params(state.params, step.layout, step.mesh)
     graphdef = step.plan.graphdef
     offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
-    model = cfg.model
-    if unrolled and hasattr(model, "scan_unroll") and hasattr(model, "n_layers"):
-        model = dataclasses.replace(model, scan_unroll=model.n_layers)
-    if rolled and hasattr(model, "scan_unroll"):
-        model = dataclasses.replace(model, scan_unroll=1)
-    if remat is not None and (remat != getattr(cfg.model, "remat", remat) or offloads) or model is not cfg.model:
+    model, own = cfg.model, models.traits(cfg.model)  # the loop's form set where the family names a field for it
+    if unrolled and own.stack_layers is not None:
+        model = models.with_settings(model, scan_unroll=own.stack_layers)
+    if rolled:
+        model = models.with_settings(model, scan_unroll=1)
+    if remat is not None and (remat != (own.remat or remat) or offloads) or model is not cfg.model:
         spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
-        model = dataclasses.replace(model, remat=remat) if remat is not None else model
+        model = models.with_settings(model, remat=remat) if remat is not None else model
         build = functools.partial(models.family(cfg.model.name).build, model, spec)
         graphdef, _ = trainer.abstract_model(build)
 
@@ -370,10 +371,10 @@ def saved_activations(
 def out_of_scope(cfg: Config, platform: str) -> str | None:
     """Why the model gives no figure for `cfg` compiled for `platform` (``jax.default_backend()``
     names: ``cpu``, ``gpu``, ``tpu``), in one line; None when the config is in its scope."""
-    model = cfg.model
-    if platform == "cpu" and getattr(model, "compute_dtype", "float32") == "bfloat16":
+    model = models.traits(cfg.model)
+    if platform == "cpu" and model.compute_dtype == "bfloat16":
         return "bfloat16 compute on XLA:CPU (it computes bfloat16 matmuls in float32 and keeps float32 copies)"
-    if getattr(model, "dropout", 0.0) > 0.0:
+    if model.dropout > 0.0:
         return "dropout (XLA keeps the 32-bit random bits behind each mask)"
     axes = {name for name, size in cfg.mesh if size != 1}
     if any(dim == "length" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
@@ -401,8 +402,46 @@ def _categories(cfg: Config, step: parts.AbstractStep, **working) -> dict[str, i
     return out
 
 
-def _pipelined_cpu(cfg: Config, step: parts.AbstractStep, sched, params: int, optimizer: int, host: dict,
-               exact: frozenset) -> Breakdown:  # fmt: skip
+@dataclasses.dataclass
+class _State:
+    """The train state's bytes per device where the offload placement puts them (:func:`_state`)."""
+
+    params: int  # on the device (parameter offload: one layer's and those outside the layers)
+    grads: int  # the gradients, and the running sum with microbatches
+    running_sum: int  # gradient accumulation's float32 sum (0 without microbatches)
+    optimizer: int  # on the device, with the step counter and the RNG key
+    host: dict[str, int]  # in pinned host memory, by category
+    fetched: int  # what the update fetches from the host beside the device's state
+    exact: frozenset[str]  # the categories computed exactly
+    place: offload_plan.Placement
+    weights: offload_plan.Weights | None  # parameter offload's per-layer weights (else None)
+
+
+def _state(cfg: Config, step: parts.AbstractStep) -> _State:
+    """The parameters, gradients and optimizer state of `step`'s plan, on the device and (host
+    offload) in host memory: exact from the shardings, but parameter offload's device share."""
+    plan = step.plan
+    params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
+    running_sum = running_sum_bytes(plan) if cfg.train.microbatches > 1 else 0
+    grads = params + running_sum
+    rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
+    optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
+    place, host, fetched, w = offload_plan.placement(cfg, plan), {}, 0, None
+    exact = EXACT
+    if place.optimizer:  # the state lives on the host; the update fetches it (module docstring)
+        host["optimizer"] = aot.shard_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
+        optimizer -= host["optimizer"]
+        fetched += offload_plan.largest_moments(plan)
+    if place.params:  # one layer's weights (and its gradient) on the device at a time
+        w = offload_plan.weights(plan, step.layout, step.mesh)
+        host["params"], host["grads"] = params, params
+        grads, params = running_sum + w.layer, w.layer + w.other
+        fetched += 2 * offload_plan.largest_param(plan)  # a parameter and its gradient
+        exact = exact - {"params"}
+    return _State(params, grads, running_sum, optimizer, host, fetched, exact, place, w)
+
+
+def _pipelined_cpu(cfg: Config, step: parts.AbstractStep, sched, state: _State) -> Breakdown:
     """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
     docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
     them (the stack's divided over the stages), one gradient per parameter and no running sum
@@ -410,29 +449,34 @@ def _pipelined_cpu(cfg: Config, step: parts.AbstractStep, sched, params: int, op
     pipeline's buffers as workspace: the accounting of XLA:CPU's program (:func:`_pipelined` on a GPU)."""
     kept = saved_activations(cfg, step, rolled=True)
     recomputed = 0
-    if getattr(cfg.model, "remat", "none") != "none":  # the backward tick recomputes its group
+    if models.traits(cfg.model).remat_on:  # the backward tick recomputes its group
         full = [r for r in saved_activations(cfg, step, "none", rolled=True) if r.loop]
         recomputed = sum(r.nbytes for r in full)  # one layer of one microbatch
+    itemsize = jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize
     categories = _categories(
-        cfg, step, params=params, grads=params, optimizer=optimizer,
-        activations=stages.cpu_activations(kept, sched, stages.stack_weights(step.plan, jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize)),
+        cfg, step, params=state.params, grads=state.params, optimizer=state.optimizer,
+        activations=stages.cpu_activations(kept, sched, stages.stack_weights(step.plan, itemsize)),
         workspace=stages.cpu_buffers(kept, sched, recomputed),
     )  # fmt: skip
-    return Breakdown(categories, exact, host)
+    return Breakdown(categories, state.exact, state.host)
 
 
-def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimizer: int, host: dict,
-               exact: frozenset) -> Breakdown:  # fmt: skip
-    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
-    docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
-    them (the stack's divided over the stages), one gradient per parameter and no running sum
-    (the microbatches are the pipeline's), and the most the step holds of the rest at once: the
-    backward outside the stack (walked as any step's, the tick loop's residual stacks held
-    through it), the backward tick loop, or the update — in the better of XLA's two orders."""
-    platform = shapes.platform(step)
-    if platform != "gpu":  # XLA:CPU's program: its own accounting, checked against XLA:CPU
-        return _pipelined_cpu(cfg, step, sched, params, optimizer, host, exact)
-    plan = step.plan
+@dataclasses.dataclass
+class _Staged:
+    """A pipelined step traced (:func:`_staged`): the layers outside the stack on the whole batch,
+    the stack's on one microbatch (a tick's), and what the backward walk reads of them."""
+
+    whole: Config  # the config with no microbatches: the layers outside the stack see the whole batch
+    outside: list[residuals.Residual]  # the residuals outside the stack (their widened cotangents set)
+    kept: list[residuals.Residual]  # one microbatch's residuals: a tick's
+    loop_at: int  # the stack's place in the forward's program order
+    uses: dict  # where the backward produces each gradient
+    matmuls_at: dict  # place -> the matmuls there, the stack's at one microbatch's shapes
+    dtypes: dict  # the parameters the forward casts, to the dtype it computes with them in
+
+
+def _staged(cfg: Config, step: parts.AbstractStep) -> _Staged:
+    """The traces of a pipelined step (see :class:`_Staged`), each layer loop traced as a loop."""
     # the layers outside the stack run on the whole batch: traced with no microbatches
     whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
     uses: dict = {}
@@ -447,38 +491,75 @@ def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimi
         widened = stages.widened_matmuls(jax.make_jaxpr(loss)(local, shapes.device_batch(whole, step)).jaxpr)
     outside = [dataclasses.replace(r, cot=widened[r.nbytes]) if r.label == "dot_general" and not r.cot
                and widened.get(r.nbytes, 0) > r.nbytes else r for r in outer if not r.loop]  # fmt: skip
-    remat = getattr(cfg.model, "remat", "none")
+    at = {p: v for p, v in matmuls_at.items() if p != loop_at}  # the layer loop's matmuls at a tick's shapes
+    at.update((loop_at, v) for v in tick_at.values() if v[0])
+    return _Staged(whole, outside, kept, loop_at, uses, at, dtypes)
+
+
+def _tick(cfg: Config, step: parts.AbstractStep, sched, kept: list, tick_grads: int, partial: int) -> int:
+    """What one backward tick holds beyond the stacks it walks over: its layers' gradients, one
+    layer's residual slices (and under remat its recomputed residuals beyond those kept), the
+    pipeline's buffers, and the matmul scratch at the stack's place (`partial`)."""
+    transient = stages.tick_slice(kept, sched)
+    if models.traits(cfg.model).remat_on:  # the tick's backward recomputes one layer at a time
+        one = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
+        transient += max(one - backward_phase.loop_iteration(kept), 0)
+    return tick_grads + transient + stages.buffers(kept, sched, True) + partial
+
+
+def _pipelined(cfg: Config, step: parts.AbstractStep, sched, state: _State) -> Breakdown:
+    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
+    docstring of :mod:`meshpar.plan.stages`): params and optimizer state as the layout places
+    them (the stack's divided over the stages), one gradient per parameter and no running sum
+    (the microbatches are the pipeline's), and the most the step holds of the rest at once: the
+    backward outside the stack (walked as any step's, the tick loop's residual stacks held
+    through it), the backward tick loop, or the update — in the better of XLA's two orders."""
+    if shapes.platform(step) != "gpu":  # XLA:CPU's program: its own accounting, checked against XLA:CPU
+        return _pipelined_cpu(cfg, step, sched, state)
+    plan, traced = step.plan, _staged(cfg, step)
     itemsize = jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize
-    weights = stages.stack_weights(plan, itemsize) if remat == "none" else 0  # a remat policy keeps no weights
-    stack = stages.tick_residuals(kept, sched, weights)
-    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    remat_on = models.traits(cfg.model).remat_on
+    weights = 0 if remat_on else stages.stack_weights(plan, itemsize)  # a remat policy keeps no weights
+    stack = stages.tick_residuals(traced.kept, sched, weights)
     act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
     accumulators, tick_grads = stages.stack_gradients(plan, act, sched)
+    workspace, partials = gemm.matmul_scratch(step, traced.matmuls_at)
+    for r in traced.outside:  # a widened cotangent dies before the backward's matmuls there read its narrowed copy
+        if r.cot and r.at in partials and r.at != traced.loop_at:
+            partials[r.at] = max(partials[r.at] - r.cot, 0)
+    tick = _tick(cfg, step, sched, traced.kept, tick_grads, partials.get(traced.loop_at, 0))
+    peak = _pipeline_peak(step, sched, traced, stack, accumulators, tick, partials)
+    update, _ = gradients.update_phase(
+        traced.whole, step, traced.uses, True, gradients.COMBINE_THRESHOLD, traced.dtypes
+    )
+    working = max(min(peak(True), peak(False)) + workspace, update)
+    activations = stack + sum(r.total for r in traced.outside)
+    categories = _categories(
+        cfg, step, params=state.params, grads=state.params, optimizer=state.optimizer, activations=activations,
+        workspace=working - state.params - activations,
+    )  # fmt: skip
+    return Breakdown(categories, state.exact, state.host)
+
+
+def _pipeline_peak(step: parts.AbstractStep, sched, traced: _Staged, stack: int, accumulators: int, tick: int,
+                   partials: dict) -> Callable[[bool], int]:  # fmt: skip
+    """The most a pipelined step on a GPU holds in its backward, but the matmul workspace, as a
+    function of XLA's order: the head's backward (walked over the tick loop's `stack`, one
+    residual at the stack's place) or the tick loop's (`tick` on top of the stacks), the larger."""
+    variables = jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    uses, loop_at, outside = traced.uses, traced.loop_at, traced.outside
     stacked = {i for i, v in enumerate(variables) if gradients.stacked(v)}
     held = gradients.held(step, uses, True)
-    workspace, partials = 0, {}
-    if platform == "gpu":  # the layer loop's matmuls at one microbatch's shapes: a tick's
-        at = {p: v for p, v in matmuls_at.items() if p != loop_at}
-        at.update((loop_at, v) for v in tick_at.values() if v[0])
-        workspace, partials = gemm.matmul_scratch(step, at)
-    for r in outside:  # a widened cotangent dies before the backward's matmuls there read its narrowed copy
-        if r.cot and r.at in partials and r.at != loop_at:
-            partials[r.at] = max(partials[r.at] - r.cot, 0)
     # the tick loop's stacks, one residual at its place: every place after it (the head) walks over them
     ticks = residuals.Residual(max(stack // sched.ticks, 1), sched.ticks, "ticks", loop=True, rolled=True, at=loop_at)
     before = sum(r.total for r in outside if r.at < loop_at)  # made before the stack, held through its backward
-    transient = stages.tick_slice(kept, sched)
-    if remat != "none":  # the tick's backward recomputes one layer at a time: its residuals beyond the one kept
-        one = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
-        transient += max(one - backward_phase.loop_iteration(kept), 0)
-    tick = tick_grads + transient + stages.buffers(kept, sched, True) + partials.get(loop_at, 0)
 
     def peak(early_zeros: bool) -> int:
         """The head's backward or the tick loop's, the larger, in one of XLA's orders: the
         accumulators and the embedding table's gradient zeroed at the step's start and the head's
         weight gradients run where the backward reaches them (`early_zeros`), or zeroed where
-        the backward needs them and those weight gradients run after the tick loop (on a GPU:
-        their cotangents held through it)."""
+        the backward needs them and those weight gradients run after the tick loop (their
+        cotangents held through it)."""
         accumulated = gradients.accumulated(step, uses, True) - stacked
         if early_zeros:
             accumulated |= stacked | {i for i, u in uses.items() if u.scattered and i < len(variables)}
@@ -486,23 +567,16 @@ def _pipelined(cfg: Config, step: parts.AbstractStep, sched, params: int, optimi
         shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held}
         together = {i: b * shares[i] for i, b in held.items() if shares[i]}  # a stacked one's: from the tick loop on
         late = set()
-        if platform == "gpu" and not early_zeros:
+        if not early_zeros:
             late = {i for i, u in uses.items() if u.matmul and u.at > loop_at and i < len(variables)} - stacked
         head = backward_phase.walk([*outside, ticks], uses, len(variables), together, {}, partials, early,
-                                   platform == "cpu", {}, {}, late)  # fmt: skip
+                                   False, {}, {}, late)  # fmt: skip
         after = sum(b for i, b in together.items() if i not in late and i in uses and uses[i].at > loop_at)
         waiting = sum(uses[i].cot or 0 for i in late)
         loop = before + stack + early + after + waiting + (0 if early_zeros else accumulators) + tick
-        return max(head + stages.buffers(kept, sched, False), loop) + workspace
+        return max(head + stages.buffers(traced.kept, sched, False), loop)
 
-    update, _ = gradients.update_phase(whole, step, uses, True, gradients.COMBINE_THRESHOLD, dtypes)
-    working = max(min(peak(True), peak(False)), update)
-    activations = stack + sum(r.total for r in outside)
-    categories = _categories(
-        cfg, step, params=params, grads=params, optimizer=optimizer, activations=activations,
-        workspace=working - params - activations,
-    )  # fmt: skip
-    return Breakdown(categories, exact, host)
+    return peak
 
 
 def running_sum_bytes(plan) -> int:
@@ -511,93 +585,96 @@ def running_sum_bytes(plan) -> int:
     return aot.shard_bytes(f32, plan.shardings.params)
 
 
-def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
-    """The config's per-device memory by category (nothing allocated; the step is not compiled —
-    for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
-    :func:`meshpar.plan.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
-    (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
-    step = step or parts.abstract_step(cfg)
-    plan = step.plan
-    platform = shapes.platform(step)
-    params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
-    running_sum = running_sum_bytes(plan) if cfg.train.microbatches > 1 else 0
-    grads = params + running_sum
-    rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
-    optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
-    place, host, fetched = offload_plan.placement(cfg, plan), {}, 0
-    exact = EXACT
-    if place.optimizer:  # the state lives on the host; the update fetches it (module docstring)
-        host["optimizer"] = aot.shard_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
-        optimizer -= host["optimizer"]
-        fetched += offload_plan.largest_moments(plan)
-    if place.params:  # one layer's weights (and its gradient) on the device at a time
-        w = offload_plan.weights(plan, step.layout, step.mesh)
-        host["params"], host["grads"] = params, params
-        grads, params = running_sum + w.layer, w.layer + w.other
-        fetched += 2 * offload_plan.largest_param(plan)  # a parameter and its gradient
-        exact = exact - {"params"}
-    if plan.schedule is not None:  # a stage axis: the pipeline's own accounting (meshpar.plan.stages)
-        return _pipelined(cfg, step, plan.schedule, params, optimizer, host, exact)
-    remat = getattr(cfg.model, "remat", "none")
-    if place.activations != "none":  # the named residuals on the host, the rest recomputed
-        prof, remat = offload_plan.profile(cfg, step), "full"
-        names = offload.activation_names(cfg.model.name, place.activations)
-        host["activations"] = prof.named_bytes(names) * prof.layers
-    read: set[int] = set()  # the parameters the backward reads
-    uses: dict = {}  # where the backward produces each gradient
-    slices: list[int] = []  # a layer loop run as a loop: one backward iteration's slices of the stacks
-    casts: list[int] = []  # the parameters' widening casts that are not residuals
-    matmuls_at: dict = {}  # place -> the matmuls there (XLA:GPU's scratch beside them)
-    dtypes: dict = {}  # the parameters the forward casts, to the dtype it computes with them in
-    kept = saved_activations(cfg, step, remat if place.activations != "none" else None, read=read, uses=uses,
-                             slices=slices if remat == "none" else None, casts=casts, matmuls_at=matmuls_at,
-                             dtypes=dtypes)  # fmt: skip
-    rolled = any(r.rolled for r in kept)  # the layer loop runs as a loop
-    gathered = gathers.gathers(cfg, step, read, rolled, dtypes)  # param_layout: stored split, used whole
-    activations = sum(r.total for r in kept) + gathered.kept
-    if place.params and remat == "none":  # every layer's fetched weights kept for the backward
-        activations += (offload_plan.profile(cfg, step).layers - 1) * w.layer_compute
-    transient = backward_phase.loop_iteration([r for r in kept if r.sliced])  # one iteration's slices a matmul reads
-    if slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
-        transient = slices[0]
-    if remat != "none":  # one layer's recomputed residuals, live during its backward
+@dataclasses.dataclass
+class _Traced:
+    """One microbatch's residuals (:func:`saved_activations`) and what the trace gives beside them."""
+
+    kept: list[residuals.Residual]
+    read: set[int] = dataclasses.field(default_factory=set)  # the parameters the backward reads
+    uses: dict = dataclasses.field(default_factory=dict)  # where the backward produces each gradient
+    slices: list[int] = dataclasses.field(default_factory=list)  # a rolled loop: one backward iteration's slices
+    casts: list[int] = dataclasses.field(default_factory=list)  # the parameters' widening casts that are not residuals
+    matmuls_at: dict = dataclasses.field(default_factory=dict)  # place -> the matmuls there (XLA:GPU's scratch)
+    dtypes: dict = dataclasses.field(default_factory=dict)  # the parameters the forward casts, to their dtype
+
+    @property
+    def rolled(self) -> bool:
+        """The layer loop runs as a loop."""
+        return any(r.rolled for r in self.kept)
+
+
+def _traced(cfg: Config, step: parts.AbstractStep, remat: str | None, slices: bool) -> _Traced:
+    """The residuals of `step` under `remat` (None: the config's own), with the trace's other
+    figures; `slices`: the backward iteration's slices of a rolled loop's stacks too."""
+    out = _Traced([])
+    out.kept = saved_activations(cfg, step, remat, read=out.read, uses=out.uses, slices=out.slices if slices else None,
+                                 casts=out.casts, matmuls_at=out.matmuls_at, dtypes=out.dtypes)  # fmt: skip
+    return out
+
+
+def _transient(cfg: Config, step: parts.AbstractStep, traced: _Traced, remat: str) -> int:
+    """What one backward iteration of the layer loop holds beside the residuals: the slices of
+    the stacks a matmul reads (traced, where nothing is recomputed), and under `remat` one
+    layer's recomputed residuals, live during its backward."""
+    transient = backward_phase.loop_iteration([r for r in traced.kept if r.sliced])
+    if traced.slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
+        transient = traced.slices[0]
+    if remat != "none":
         recomputed = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
-        transient += max(recomputed - backward_phase.loop_iteration(kept), 0)
+        transient += max(recomputed - backward_phase.loop_iteration(traced.kept), 0)
+    return transient
+
+
+def _update(cfg: Config, step: parts.AbstractStep, state: _State, traced: _Traced, extra: dict,
+            compiler_options: dict | None) -> tuple[int, int, int, int | None]:  # fmt: skip
+    """(the update phase's bytes, the gradients', one backward layer-loop iteration's gradients
+    reduced into their stacks, :func:`meshpar.plan.gradients.one_at_a_time`'s largest gradient
+    or None when the update needs every gradient at once)."""
+    place, grads, iteration = state.place, state.grads, 0
     one_at_a_time = None if place.params else gradients.one_at_a_time(cfg, step)
-    iteration = 0  # one backward layer-loop iteration's gradients, reduced into their stacks
     if one_at_a_time is None:
         # on XLA:GPU the update phase holds the running sum in its place (see gradients.update_phase)
-        held = 0 if platform == "gpu" else running_sum
+        held = 0 if shapes.platform(step) == "gpu" else state.running_sum
         options = compiler_options or {}
         threshold = options.get("xla_gpu_all_reduce_combine_threshold_bytes", gradients.COMBINE_THRESHOLD)
         local = frozenset()
         if cfg.train.microbatches > 1 and not place.params:  # the accumulation sums these axes locally
-            local = frozenset(trainer.reduced_once(step.layout, step.mesh, plan.shardings.params))
-        update, iteration = gradients.update_phase(cfg, step, uses, rolled, int(threshold), dtypes, local)
-        update += held + fetched
+            local = frozenset(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params))
+        update, iteration = gradients.update_phase(cfg, step, traced.uses, traced.rolled, int(threshold),
+                                                   traced.dtypes, local)  # fmt: skip
+        update += held + state.fetched
     else:  # each gradient applied as it is produced: one at a time (and the running sum)
-        grads = running_sum + one_at_a_time
-        update = grads + fetched
-    extra = gradients.update_extra(cfg, step, uses)  # what each leaf's update holds beyond its gradient
+        grads = state.running_sum + one_at_a_time
+        # held together, the reduced copies' room is freed before the updates run
+        update = grads + state.fetched + max(extra.values(), default=0)
+    return update, grads, iteration, one_at_a_time
+
+
+def _held_gradients(cfg: Config, step: parts.AbstractStep, state: _State, traced: _Traced, grads: int,
+                    gathered: gathers.Gathers, extra: dict,
+                    together: bool) -> tuple[dict, int, dict | None]:  # fmt: skip
+    """How the backward walk holds the gradients: (parameter leaf -> the bytes its update applies
+    where the backward produces it, the bytes held from the backward's first step, parameter leaf
+    -> the bytes each gradient holds to the update, or None when each is applied as produced).
+    `together`: the update needs every gradient at once."""
+    plan, uses, rolled = step.plan, traced.uses, traced.rolled
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     accumulated = gradients.accumulated(step, uses, rolled)  # held from the backward's first step
     held_grads = gradients.held(step, uses, rolled)
-    if place.params:  # one layer's gradient on the device at a time: the held bytes shared out as traced
-        traced = sum(u.nbytes for i, u in uses.items() if i < len(variables))
-        held_grads = {i: u.nbytes * (grads - running_sum + gathered.grads) // max(traced, 1) for i, u in uses.items()}
+    if state.place.params:  # one layer's gradient on the device at a time: the held bytes shared out as traced
+        traced_bytes = sum(u.nbytes for i, u in uses.items() if i < len(variables))
+        share = grads - state.running_sum + gathered.grads
+        held_grads = {i: u.nbytes * share // max(traced_bytes, 1) for i, u in uses.items()}
     if cfg.train.microbatches == 1:  # applied where the backward produces it, else after the accumulation
         apply = {i: (u.parts - (i in accumulated)) * u.nbytes + extra.get(i, 0) for i, u in uses.items()}
     else:
         apply = {}
-    if one_at_a_time is not None:  # held together, the reduced copies' room is freed before the updates run
-        update += max(extra.values(), default=0)
     early = sum(held_grads.get(i, 0) for i in accumulated)
-    if one_at_a_time is None:  # each part of a gradient held (a tied embedding's: the gather's and the matmul's)
+    held = None
+    if together:  # each part of a gradient held (a tied embedding's: the gather's and the matmul's)
         shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held_grads}
-        together = {i: b * shares[i] for i, b in held_grads.items() if shares[i]}
-    else:
-        together = None
-    if cfg.train.microbatches > 1 and platform == "gpu":
+        held = {i: b * shares[i] for i, b in held_grads.items() if shares[i]}
+    if cfg.train.microbatches > 1 and shapes.platform(step) == "gpu":
         # each gradient is added to the running sum as it is produced, in place (the matmul's
         # accumulating epilogue); one re-placed to a smaller shard exists whole until reduce-scattered
         # the backward layer loop writes every stacked parameter's gradient into a stack of its own,
@@ -609,46 +686,94 @@ def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_optio
                   for i, v in enumerate(variables) if rolled and gradients.stacked(v)}  # fmt: skip
         stacked = sum(stacks.values())
         replaced = {i for i in range(len(own)) if own[i].spec != act[i].spec}
-        together, early = None, 0
+        held, early = None, 0
         apply = {i: stacked if i in stacks else u.nbytes if i in replaced else 0 for i, u in uses.items()}
-    workspace, partials = gemm.matmul_scratch(step, matmuls_at, compiler_options) if platform == "gpu" else (0, {})
-    # what one backward iteration of the layer loop holds beyond its residuals, where the walk
-    # reaches the loop (anywhere, without one): its recomputed residuals and gathered weights
-    # while it runs, or at its end, once those have died, its layer's gradients being reduced
-    during = max(transient + gathered.iteration, iteration)
+    return apply, early, held
+
+
+def _backward(step: parts.AbstractStep, traced: _Traced, gathered: gathers.Gathers, during: int,
+              held: tuple[dict, int, dict | None], compiler_options: dict | None) -> int:  # fmt: skip
+    """The backward walk's peak over the residuals (:func:`meshpar.plan.backward.walk`), with the
+    matmul workspace and, where no layer loop is walked over, one iteration's extras: `during`,
+    what one backward iteration of the layer loop holds beyond its residuals; `held`, how the
+    gradients are held (:func:`_held_gradients`)."""
+    platform, kept, uses = shapes.platform(step), traced.kept, traced.uses
+    apply, early, together = held
+    nvars = len(jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    workspace, partials = (
+        gemm.matmul_scratch(step, traced.matmuls_at, compiler_options) if platform == "gpu" else (0, {})
+    )
+    # the backward iteration's extras where the walk reaches the loop (anywhere, without one)
     loops = {r.at: during for r in kept if r.loop}
     weights: dict = {}  # the weights the backward reads from copies of their own (gathered, or sliced), by place
     for i, b in gathered.kept_by.items():
         weights[uses[i].at] = weights.get(uses[i].at, 0) + b
     late = set()
-    if platform == "gpu" and rolled:  # weight gradients of matmuls after the layer loop, run after its backward
-        late = {i for i, u in uses.items() if i < len(variables) and u.matmul and u.at > min(loops, default=u.at)}
-    walk = backward_phase.walk(kept, uses, len(variables), together, apply, partials, early, platform == "cpu", loops,
-                               weights, late)  # fmt: skip
-    backward = walk + activations - sum(r.total for r in kept) - gathered.kept + running_sum + gathered.loop + workspace
-    backward += 0 if loops else during
-    if cfg.train.microbatches > 1:  # the batch in microbatch-major order: a transposed copy, the loop's input
-        backward += cfg.train.microbatches * sum(
-            residuals.nbytes(b) for b in jax.tree.leaves(shapes.device_batch(cfg, step))
-        )
-    if cfg.train.microbatches > 1:  # the gathers and casts leave the accumulation loop: every copy held through it
-        if platform == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
-            backward += gathered.layers + sum(casts)
-        else:
-            backward += gathered.rest + gathered.layers + sum(casts)
-            update += gathered.copies
-        nparams = len(jax.tree.leaves(plan.abstract.params))  # the body's own microbatch of what the backward reads
-        backward += sum(
-            residuals.nbytes(b)
-            for j, b in enumerate(jax.tree.leaves(shapes.device_batch(cfg, step)))
-            if nparams + j in read
-        )
-    categories = _categories(
-        cfg, step, params=params, grads=grads, optimizer=optimizer, activations=activations,
-        workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
-    )  # fmt: skip
+    if platform == "gpu" and traced.rolled:  # weight gradients of matmuls after the layer loop, run after its backward
+        late = {i for i, u in uses.items() if i < nvars and u.matmul and u.at > min(loops, default=u.at)}
+    walk = backward_phase.walk(kept, uses, nvars, together, apply, partials, early, platform == "cpu", loops, weights,
+                               late)  # fmt: skip
+    return walk + workspace + (0 if loops else during)
+
+
+def _accumulation(cfg: Config, step: parts.AbstractStep, traced: _Traced, gathered: gathers.Gathers) -> tuple[int, int]:
+    """(backward, update): the bytes gradient accumulation (``train.microbatches`` > 1) adds to each phase."""
+    if cfg.train.microbatches == 1:
+        return 0, 0
+    batch = jax.tree.leaves(shapes.device_batch(cfg, step))
+    # the batch in microbatch-major order: a transposed copy, the loop's input
+    backward, update = cfg.train.microbatches * sum(residuals.nbytes(b) for b in batch), 0
+    # the gathers and casts leave the accumulation loop: every copy held through it
+    if shapes.platform(step) == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
+        backward += gathered.layers + sum(traced.casts)
+    else:
+        backward += gathered.rest + gathered.layers + sum(traced.casts)
+        update += gathered.copies
+    nparams = len(jax.tree.leaves(step.plan.abstract.params))  # the body's own microbatch of what the backward reads
+    backward += sum(residuals.nbytes(b) for j, b in enumerate(batch) if nparams + j in traced.read)
+    return backward, update
+
+
+def _split(kept: list[residuals.Residual]) -> tuple[int, int, int]:
+    """The residuals' bytes made before the layer loop, by it and after it (:attr:`Breakdown.residual_split`)."""
     loop_at = min((r.at for r in kept if r.loop), default=None)
     before = sum(r.total for r in kept if not r.loop and loop_at is not None and r.at < loop_at)
     looped = sum(r.total for r in kept if r.loop)
-    split = (before, looped, sum(r.total for r in kept) - before - looped)
-    return Breakdown(categories, exact, host, split)
+    return before, looped, sum(r.total for r in kept) - before - looped
+
+
+def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
+    """The config's per-device memory by category (nothing allocated; the step is not compiled —
+    for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
+    :func:`meshpar.plan.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
+    (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
+    step = step or parts.abstract_step(cfg)
+    state = _state(cfg, step)
+    if step.plan.schedule is not None:  # a stage axis: the pipeline's own accounting (meshpar.plan.stages)
+        return _pipelined(cfg, step, step.plan.schedule, state)
+    place, remat = state.place, models.traits(cfg.model).remat or "none"
+    if place.activations != "none":  # the named residuals on the host, the rest recomputed
+        prof, remat = offload_plan.profile(cfg, step), "full"
+        names = offload.activation_names(cfg.model.name, place.activations)
+        state.host["activations"] = prof.named_bytes(names) * prof.layers
+    traced = _traced(cfg, step, remat if place.activations != "none" else None, slices=remat == "none")
+    kept = traced.kept
+    gathered = gathers.gathers(cfg, step, traced.read, traced.rolled, traced.dtypes)  # param_layout: stored split
+    activations = sum(r.total for r in kept) + gathered.kept
+    if place.params and remat == "none":  # every layer's fetched weights kept for the backward
+        activations += (offload_plan.profile(cfg, step).layers - 1) * state.weights.layer_compute
+    extra = gradients.update_extra(cfg, step, traced.uses)  # what each leaf's update holds beyond its gradient
+    update, grads, iteration, one_at_a_time = _update(cfg, step, state, traced, extra, compiler_options)
+    held = _held_gradients(cfg, step, state, traced, grads, gathered, extra, together=one_at_a_time is None)
+    # one backward iteration of the layer loop: its recomputed residuals and gathered weights
+    # while it runs, or at its end, once those have died, its layer's gradients being reduced
+    during = max(_transient(cfg, step, traced, remat) + gathered.iteration, iteration)
+    backward = _backward(step, traced, gathered, during, held, compiler_options)
+    backward += activations - sum(r.total for r in kept) - gathered.kept + state.running_sum + gathered.loop
+    more_backward, more_update = _accumulation(cfg, step, traced, gathered)
+    backward, update = backward + more_backward, update + more_update
+    categories = _categories(
+        cfg, step, params=state.params, grads=grads, optimizer=state.optimizer, activations=activations,
+        workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
+    )  # fmt: skip
+    return Breakdown(categories, state.exact, state.host, _split(kept))

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshpar import config as config_lib
-from meshpar import offload, parts, throughput
+from meshpar import models, offload, parts, throughput
 from meshpar.config import Config, ConfigError
 from meshpar.plan import candidates as candidates_lib
 from meshpar.plan import cost as cost_lib
@@ -151,7 +151,7 @@ def _recompute(cfg: Config, prof: offload_plan.Profile) -> float:
     """FLOPs the backward pass of one layer runs again (see the module docstring)."""
     policy = getattr(cfg.offload, "activations", "none")
     if policy == "none":
-        policy = {"none": "none", "full": "layer_outputs", "dots": "dots"}[getattr(cfg.model, "remat", "none")]
+        policy = {"none": "none", "full": "layer_outputs", "dots": "dots"}[models.traits(cfg.model).remat or "none"]
     return {"none": 0.0, "layer_outputs": prof.layer_flops, "dots": prof.batched_flops}[policy]
 
 
@@ -200,68 +200,109 @@ def cost(cfg: Config, step: parts.AbstractStep, topo, option: Option, overlap: b
     return price(prepare(cfg, step, option), topo, overlap)
 
 
+def _host_seconds(topo, devices: int, bytes_in: float, bytes_out: float) -> float:
+    """One transfer over the host link each way at once, with `devices` transferring: the larger
+    direction and the link's latency (0 for none)."""
+    if not (bytes_in or bytes_out):
+        return 0.0
+    return max(bytes_in, bytes_out) / host_bandwidth(topo, devices) + topo.host_link.latency
+
+
+def _rates(cfg: Config, topo) -> tuple[float, float]:
+    """(FLOP/s the matmuls run at: the peak for the compute dtype × efficiency, device memory bytes/s)."""
+    return topo.peak(throughput.compute_dtype(cfg.model)) * topo.efficiency, topo.device_memory_bandwidth or float(
+        "inf"
+    )
+
+
+def _layer_bytes(p: Prepared) -> tuple[int, int]:
+    """(the residuals of one layer sent to host memory, its weights fetched from there) under `p`'s placement."""
+    offloaded = p.prof.named_bytes(offload.activation_names(p.cfg.model.name, p.place.activations))
+    return offloaded, p.weights.layer if p.place.params else 0
+
+
+def _passes(p: Prepared, topo) -> tuple[tuple[float, float, float], ...]:
+    """(compute, host transfer, device transfer) seconds of one layer, forward then backward:
+    compute at the peak for its dtype or its weights' read at memory bandwidth, the slower;
+    offloaded residuals out and in, fetched weights in and their gradient out; FSDP's gathers
+    (again in the backward under remat) and reduce-scatter."""
+    cfg, prof, w = p.cfg, p.prof, p.weights
+    rate, hbm = _rates(cfg, topo)
+    devices, ways = p.step.mesh.size, _fsdp_ways(w)
+    ring = cost_lib.collective_seconds("all-gather", w.layer_compute, ways, topo.device_link)  # or a reduce-scatter
+    offloaded, weights_in = _layer_bytes(p)
+    remat = p.place.activations != "none" or models.traits(cfg.model).remat_on
+    return (
+        (max(prof.layer_flops / rate, w.layer_compute / hbm),
+         _host_seconds(topo, devices, weights_in, offloaded), ring),
+        (max((2 * prof.layer_flops + _recompute(cfg, prof)) / rate, 2 * w.layer_compute / hbm),
+         _host_seconds(topo, devices, weights_in + offloaded, weights_in), ring * (2 if remat else 1)),
+    )  # fmt: skip
+
+
+def _outside_layers(p: Prepared, topo) -> tuple[float, float]:
+    """(compute, host transfer) seconds of the work outside the layers in one microbatch: its
+    forward and backward, and under parameter offload its weights in for each pass and their
+    gradients out (with microbatches every gradient comes back to be added to the running sum)."""
+    w, plan, devices = p.weights, p.plan, p.step.mesh.size
+    rate, hbm = _rates(p.cfg, topo)
+    compute = max(3 * p.prof.other_flops / rate, 3 * w.other_compute / hbm)
+    host = 0.0
+    if p.place.params:
+        host = _host_seconds(topo, devices, w.other, 0) + _host_seconds(topo, devices, w.other, w.other)
+        host += _host_seconds(topo, devices, plan.host["grads"], 0) if p.cfg.train.microbatches > 1 else 0.0
+    return compute, host
+
+
+def _update_seconds(p: Prepared, topo) -> float:
+    """The update's trip over the host link: the host state in (and the parameters' gradients,
+    on the host under parameter offload), the new state back."""
+    host = p.plan.host
+    back = host.get("optimizer", 0) + host.get("params", 0)
+    return _host_seconds(topo, p.step.mesh.size, back + host.get("grads", 0), back)
+
+
 def price(prepared: Prepared, topo, overlap: bool = True) -> Cost:
     """Predicted memory and step time of a prepared option on `topo` (see the module docstring)."""
     p = prepared
-    cfg, step, option, plan, prof, w, place = p.cfg, p.step, p.option, p.plan, p.prof, p.weights, p.place
-    rate = topo.peak(throughput.compute_dtype(cfg.model)) * topo.efficiency
-    hbm = topo.device_memory_bandwidth or float("inf")
-    bw, latency = host_bandwidth(topo, step.mesh.size), topo.host_link.latency
-    link = topo.device_link
-    ways = _fsdp_ways(w)
-    layers, k = max(prof.layers, 1), cfg.train.microbatches
-
-    def host(bytes_in: float, bytes_out: float) -> float:
-        return max(bytes_in, bytes_out) / bw + latency if bytes_in or bytes_out else 0.0
-
-    def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` gathered
-        return cost_lib.collective_seconds("all-gather", nbytes, ways, link)
-
-    offloaded = prof.named_bytes(offload.activation_names(cfg.model.name, place.activations))
-    weights_in = w.layer if place.params else 0
-    remat = place.activations != "none" or getattr(cfg.model, "remat", "none") != "none"
-    passes = (  # (compute, host transfer, device transfer) of one layer, forward then backward
-        (max(prof.layer_flops / rate, w.layer_compute / hbm), host(weights_in, offloaded), ring(w.layer_compute)),
-        (max((2 * prof.layer_flops + _recompute(cfg, prof)) / rate, 2 * w.layer_compute / hbm),
-         host(weights_in + offloaded, weights_in), ring(w.layer_compute) * (2 if remat else 1)),
-    )  # fmt: skip
+    plan, w, k = p.plan, p.weights, p.cfg.train.microbatches
+    layers = max(p.prof.layers, 1)
+    passes = _passes(p, topo)
     if overlap:  # a pipeline: layer i+1's transfers behind layer i's compute; the first exposed
         layers_s = sum(h + d + (layers - 1) * max(c, h, d) + c for c, h, d in passes)
     else:
         layers_s = layers * sum(c + h + d for c, h, d in passes)
-    rest_compute = max(3 * prof.other_flops / rate, 3 * w.other_compute / hbm)
-    rest_host = 0.0
-    if place.params:  # the other weights in, forward and backward, their gradients out; with
-        # microbatches every gradient comes back to be added to the device's running sum
-        rest_host = host(w.other, 0) + host(w.other, w.other) + (host(plan.host["grads"], 0) if k > 1 else 0.0)
-    per_micro = layers_s + rest_compute + rest_host
+    rest_compute, rest_host = _outside_layers(p, topo)
     compute_s = k * (layers * sum(c for c, _, _ in passes) + rest_compute)
     host_s = k * (layers * sum(h for _, h, _ in passes) + rest_host)
     device_s = k * layers * sum(d for _, _, d in passes)
-    # The update: the host state in (and the parameters' gradients, on the host under parameter
-    # offload), the new state back.
-    back = plan.host.get("optimizer", 0) + plan.host.get("params", 0)
-    update_s = host(back + plan.host.get("grads", 0), back)
-    blocks = unified.blocks(plan.categories, prof.layers, w.layer, plan.residual_split, k)
+    update_s = _update_seconds(p, topo)
+    blocks = unified.blocks(plan.categories, p.prof.layers, w.layer, plan.residual_split, k)
     one = [k * (max(c, h, d) if overlap else c + h + d) for c, h, d in passes]  # a layer inside the loop
+    offloaded, weights_in = _layer_bytes(p)
     layer = Layer(
-        0, w.layer_compute + blocks.per_layer + blocks.layer_grads,
-        offloaded + 2 * weights_in, one[0], one[1],
-    )  # fmt: skip
-    out = Cost(option, plan.total, plan.host_total, compute_s, host_s + update_s, device_s, update_s,
-               k * per_micro + update_s, layer=layer)  # fmt: skip
-    if cost_lib.oversubscription(cfg) is None:
-        return out
-    # Unified memory: what does not fit the device's own memory pages in and out on demand.
-    capacity = cost_lib.machine_capacity(cfg, topo)
-    moved, stall = paging(blocks, plan.total, capacity, topo, step.mesh.size)
-    worst = max(range(layers), key=lambda i: sum(p.bytes_in + p.bytes_out for p in moved.layer(i)))
+        0, w.layer_compute + blocks.per_layer + blocks.layer_grads, offloaded + 2 * weights_in, one[0], one[1]
+    )
+    step_s = k * (layers_s + rest_compute + rest_host) + update_s
+    out = Cost(p.option, plan.total, plan.host_total, compute_s, host_s + update_s, device_s, update_s, step_s,
+               layer=layer)  # fmt: skip
+    return out if cost_lib.oversubscription(p.cfg) is None else _paged(p, topo, out, blocks)
+
+
+def _paged(p: Prepared, topo, out: Cost, blocks: unified.Blocks) -> Cost:
+    """`out` under unified memory: what does not fit the device's own memory pages in and out on
+    demand, its faults stalling the step; its layer the one that pages most."""
+    devices = p.step.mesh.size
+    capacity = cost_lib.machine_capacity(p.cfg, topo)
+    moved, stall = paging(blocks, p.plan.total, capacity, topo, devices)
+    worst = max(range(max(p.prof.layers, 1)), key=lambda i: sum(q.bytes_in + q.bytes_out for q in moved.layer(i)))
     forward, backward = moved.layer(worst)
-    paged = sum(p.bytes_in + p.bytes_out for p in (forward, backward))
+    paged = sum(q.bytes_in + q.bytes_out for q in (forward, backward))
+    bw = host_bandwidth(topo, devices)
     layer = dataclasses.replace(
-        layer, index=worst, host_bytes=layer.host_bytes + paged, migrated_bytes=paged,
-        forward_s=layer.forward_s + moved.stall_s(bw, topo.fault_s, [forward]),
-        backward_s=layer.backward_s + moved.stall_s(bw, topo.fault_s, [backward]),
+        out.layer, index=worst, host_bytes=out.layer.host_bytes + paged, migrated_bytes=paged,
+        forward_s=out.layer.forward_s + moved.stall_s(bw, topo.fault_s, [forward]),
+        backward_s=out.layer.backward_s + moved.stall_s(bw, topo.fault_s, [backward]),
     )  # fmt: skip
     return dataclasses.replace(
         out, device_bytes=moved.device_bytes, host_bytes=out.host_bytes + moved.migrated_bytes,
@@ -343,9 +384,11 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
         out.append(Option(f"{label} + {own_label}{mark}", (
             f"offload.optimizer={str(flags[0]).lower()}", f"offload.params={str(flags[1]).lower()}",
             f"offload.activations={flags[2]}", *um), "both", "unified"))  # fmt: skip
-    remat = getattr(cfg.model, "remat", None)
-    out += [Option(f"model.remat={r}", (*NO_OFFLOAD, f"model.remat={r}"), "activations", "remat")
-            for r in ("full", "dots") if remat not in (None, r)]  # fmt: skip
+    model = models.traits(cfg.model)  # a remat change in the field the family names for it (model.remat)
+    changes = [
+        f"{model.key('remat')}={r}" for r in ("full", "dots") if model.remat not in (None, r) and "remat" in model.keys
+    ]
+    out += [Option(change, (*NO_OFFLOAD, change), "activations", "remat") for change in changes]
     k = cfg.train.microbatches
     out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations",
                    "microbatches") for f in (2, 4)]  # fmt: skip

@@ -8,12 +8,13 @@ as ``batch:(a,b)``, first axis major), the model's split dims (the dims the conf
 maps onto ``model``, else the family's: :attr:`meshpar.models.Family.split_dims`) onto the
 ``model`` axis or not, and ``param_layout`` FSDP over the batch axes (the family's FSDP dims,
 taken as the pre-flight takes them: :func:`meshpar.plan.candidates.fsdp_param_layout`) or
-none; and, for a model with a layer stack (``model.n_layers``), a stage
-axis ``stage`` of every size that divides both the layers and the devices, first in the mesh
-(its neighbours the furthest apart: a pipeline moves the fewest bytes of any split, one
-microbatch's activations per tick, so it takes the slowest link), carrying ``layers:stage`` and
-nothing else (:mod:`meshpar.pipeline`). Every other dim is replicated; the config's other
-sections (remat, feed, the pipeline's schedule where there is a stage axis, ...) are kept.
+none; and, for a model with a layer stack (its family's ``stack_layers``,
+:class:`meshpar.models.Traits`), a stage axis ``stage`` of every size that divides both the
+layers and the devices, first in the mesh (its neighbours the furthest apart: a pipeline moves
+the fewest bytes of any split, one microbatch's activations per tick, so it takes the slowest
+link), carrying ``layers:stage`` and nothing else (:mod:`meshpar.pipeline`). Every other dim
+is replicated; the config's other sections (remat, feed, the pipeline's schedule where there is
+a stage axis, ...) are kept.
 
 **Microbatches** (``train.microbatches``, :func:`microbatch_counts`): each choice is planned with
 counts that divide the rows one device holds. With a stage axis of S stages they are the
@@ -110,7 +111,7 @@ import jax
 from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import aot, compile_cache, jaxprs, models, parts, pipeline, throughput, trainer
+from meshpar import aot, compile_cache, jaxprs, models, parts, throughput, trainer
 from meshpar import config as config_lib
 from meshpar import inputs as inputs_lib
 from meshpar import layout as layout_lib
@@ -207,12 +208,12 @@ def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
         added = MODEL_AXIS
         names.append(MODEL_AXIS)
     out = []
-    for s in (1, *stages.stage_sizes(pipeline.stack_layers(cfg.model), num_devices)):
+    for s in (1, *stages.stage_sizes(models.traits(cfg.model).stack_layers, num_devices)):
         for shape in factorisations(num_devices // s, len(names)):
             mesh = ((STAGE_AXIS, s), *zip(names, shape)) if s > 1 else tuple(zip(names, shape))
             subsets = [b for r in range(len(names) + 1) for b in itertools.combinations(names, r)]
-            models = (False, True) if MODEL_AXIS in names else (False,)
-            for batch, model, fsdp in itertools.product(subsets, models, (False, True)):
+            splits = (False, True) if MODEL_AXIS in names else (False,)
+            for batch, model, fsdp in itertools.product(subsets, splits, (False, True)):
                 out.append(Option(mesh, batch, model, fsdp, added, s > 1))
     return out
 
@@ -339,13 +340,13 @@ def estimate(
     spec, family = step.element_spec, models.family(cfg.model.name)
     batch_ways = math.prod(sizes[a] for a in option.batch)
     model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
-    dtype = throughput.compute_dtype(cfg.model)
+    model, dtype = models.traits(cfg.model), throughput.compute_dtype(cfg.model)
     # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
     per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
     sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
     scale = stages.compute_scale(sched, stages.layer_share(family, cfg.model, spec))
     flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
-    flops *= 4 / 3 if getattr(cfg.model, "remat", "none") == "full" else 1
+    flops *= 4 / 3 if model.remat == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     c = breakdown.categories
     # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
@@ -370,7 +371,7 @@ def estimate(
         activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count * k) * scale
     pipeline_s = 0.0
     if sched is not None:
-        width = getattr(cfg.model, "d_model", 0)  # the stack's [batch, length, embed] activations
+        width = model.width  # the stack's [batch, length, embed] activations
         rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
         traffic = stages.traffic(sched, rows, length, width, itemsize)
         pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
@@ -387,7 +388,7 @@ def estimate(
 def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
     """Seconds unified memory's page faults add to `cfg`'s step on `topo` (:func:`meshpar.plan.offload_cost.paging`)."""
     w = offload_plan.weights(step.plan, step.layout, step.mesh)
-    layers = pipeline.stack_layers(cfg.model) or 1
+    layers = models.traits(cfg.model).stack_layers or 1
     blocks = unified.blocks(breakdown.categories, layers, w.layer, breakdown.residual_split, cfg.train.microbatches)
     return offload_cost.paging(blocks, breakdown.total, cap, topo, step.mesh.size)[1]
 
