@@ -100,8 +100,8 @@ def profile(cfg: Config, step: parts.AbstractStep) -> Profile:
     params = shapes.local_params(state.params, step.layout, step.mesh)
     local = shapes.device_batch(cfg, step)
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
-    # Every layer one checkpointed call (a model without model.remat is traced as it is).
-    model = dataclasses.replace(cfg.model, remat="full") if hasattr(cfg.model, "remat") else cfg.model
+    # Every layer one checkpointed call (a model without a remat setting is traced as it is).
+    model = models.with_settings(cfg.model, remat="full")
     graphdef, _ = trainer.abstract_model(functools.partial(models.family(cfg.model.name).build, model, spec))
 
     def forward(params, batch):
