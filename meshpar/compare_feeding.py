@@ -27,9 +27,9 @@ import pathlib
 import subprocess
 import sys
 
-from meshpar import config as config_lib
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError
+from meshpar.run.metrics import read_jsonl
 
 COLUMNS = [
     ("mode", "mode", "{}"),

@@ -4,7 +4,7 @@
 page ``config-reference.md`` on every build (the mkdocs hook ``docs/hooks/config_reference.py``),
 so the page is never a file that can drift from the code. Every key is listed dotted, with its
 type, default, allowed values (``Literal`` choices; ``min`` / ``max`` from the field's metadata,
-see :func:`meshpar.schema.at_least` and :func:`meshpar.schema.between`) and its comment.
+see :func:`meshpar.configuration.schema.at_least` and :func:`meshpar.configuration.schema.between`) and its comment.
 
 The comment convention, which :func:`missing` checks (a test keeps it at none missing):
 
@@ -32,9 +32,9 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from meshpar import layout as layout_lib
-from meshpar.config import Config
+from meshpar.configuration.config import Config
 from meshpar.models import MODELS
+from meshpar.sharding import layout as layout_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def missing(classes: list[tuple[str, type]] | None = None) -> list[str]:
 
 # ---------------------------------------------------------------------------- rendering
 
-# The three keys that a config writes as strings and meshpar parses (meshpar.mesh, meshpar.layout).
+# The three keys that a config writes as strings and meshpar parses (meshpar.sharding.mesh, meshpar.sharding.layout).
 SPECIAL = {
     "mesh": ("mesh string or mapping", lambda v: ",".join(f"{a}:{n}" for a, n in v)),
     "layout": ("rules string or mapping", layout_lib.format_rules),
@@ -253,7 +253,7 @@ def render() -> str:
         "# Config reference",
         "",
         "Every key of an experiment config, generated from the config dataclasses",
-        "(`meshpar/config.py`, `meshpar/models/`) and the comments in their source each time",
+        "(`meshpar/configuration/config.py`, `meshpar/models/`) and the comments in their source each time",
         "the docs are built; `python -m meshpar.config_reference` prints this page. Keys are",
         "dotted: `train.steps` is `steps:` under `train:` in the YAML, and `train.steps=500` on",
         "the command line. Keys listed together share one comment (a group, below). Beyond the",

@@ -24,10 +24,11 @@ import re
 import sys
 from pathlib import Path
 
-from meshpar import compile_cache, errors
-from meshpar import config as config_lib
-from meshpar.hf import config as hf_config
+from meshpar.configuration import config as config_lib
+from meshpar.configuration import errors
+from meshpar.hf import model_config as hf_config
 from meshpar.hf import runs, writer
+from meshpar.run import compile_cache
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -12,8 +12,8 @@ processes, and resumes where a killed run stopped when run again the same way (s
 one summary line to stdout at the end. ``info`` prints a corpus's manifest in a few lines.
 
 A thin command: the work is :func:`input_pipeline.corpus.prepare`. It does not import jax (nor
-:mod:`meshpar.errors`, which does), so it starts in a moment. Errors: ``data error: <one line>``
-on stderr, exit status 2, as :mod:`meshpar.errors` reports a ``DataError``; bad usage is
+:mod:`meshpar.configuration.errors`, which does), so it starts in a moment. Errors: ``data error: <one line>``
+on stderr, exit status 2, as :mod:`meshpar.configuration.errors` reports a ``DataError``; bad usage is
 argparse's, also 2; anything else is a bug and keeps its traceback.
 """
 

@@ -10,7 +10,7 @@ Hugging Face Llama folder, on the mesh and layout the overrides give (``mesh=dat
 layout=batch:data``; ``model.compute_dtype=bfloat16``). ``--temperature 0`` (the default) is
 greedy; otherwise sampling, the same tokens for the same ``--seed``. ``--prompt-ids 1,2,3``
 gives a prompt as token ids. ``--batch-file``: one prompt per line (a line that starts with
-``"`` is a JSON string, so it can hold newlines). See :mod:`meshpar.decoding`.
+``"`` is a JSON string, so it can hold newlines). See :mod:`meshpar.run.decoding`.
 
 A prompt is bytes: ``--prompt`` as the shell gave them (``os.fsencode`` undoes Python's
 decoding of the command line), a batch file's line as the file holds it. A byte-level model
@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from input_pipeline import tokenizer as tokenizer_lib
-from meshpar import decoding, errors
-from meshpar.config import ConfigError
+from meshpar.configuration import errors
+from meshpar.configuration.config import ConfigError
+from meshpar.run import decoding
 
 
 def _prompt_ids(text: str) -> np.ndarray:

@@ -17,11 +17,11 @@ fallback), ``jax.stages.ArgInfo.shape``/``.dtype`` (was ``ArgInfo._aval``),
 ``jax.extend.backend.get_backend().platform_version`` (was ``Device.client.platform_version``),
 ``jax.Device.memory_stats()`` (was guarded by ``hasattr``). The coordination-service reads no
 longer tell a timeout from a failure by the error's text (``DEADLINE_EXCEEDED``): a read that
-fails only after its whole timeout has passed is the timeout (:mod:`meshpar.distributed`).
+fails only after its whole timeout has passed is the timeout (:mod:`meshpar.processes.distributed`).
 
 Elsewhere, on purpose: jaxpr primitive names and the jax-version differences in jaxpr params
 live in :mod:`meshpar.jaxprs`, the one jaxpr walker; the regex on orbax/tensorstore error text
-in ``meshpar/checkpoint.py`` is about orbax and tensorstore, not jax.
+in ``meshpar/checkpoints/checkpoint.py`` is about orbax and tensorstore, not jax.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
 def load_jax_plugins() -> None:
     """Import jax and load its installed PJRT plugins (each ``jax_plugins`` module's
     ``initialize()``, which registers its platform) without starting a backend: what the first
-    ``jax.devices()`` does before it starts one. :mod:`meshpar.quiet` runs it with stderr captured,
+    ``jax.devices()`` does before it starts one. :mod:`meshpar.run.quiet` runs it with stderr captured,
     since the CUDA plugin prints its noise as it loads; ``jax.distributed.initialize`` may still
     follow, as no backend has started. Idempotent: jax loads its plugins once per process.
 
@@ -115,7 +115,7 @@ def load_jax_plugins() -> None:
 def backends_started() -> bool:
     """Whether jax has started its backends (the first ``jax.devices()``, ``jax.jit`` call and the
     like), without starting them: after that, the environment variables a backend reads at its
-    start (XLA's allocator's: :mod:`meshpar.unified_memory`) come too late for this process.
+    start (XLA's allocator's: :mod:`meshpar.sharding.unified_memory`) come too late for this process.
 
     Public API to move to: none in jax 0.10 or 0.12 (every public way to ask about a backend
     starts it).
@@ -128,7 +128,7 @@ def backends_started() -> bool:
 def step_cublas_workspace_exceeds_lone() -> bool:
     """Whether this jaxlib's XLA:GPU gives the cuBLAS calls of a whole train step a larger
     workspace than the same matmul compiled alone (jaxlib 0.12: 32 MiB in the step, 4 MiB
-    alone), which the memory model's probe (:mod:`meshpar.plan.gemm`) reads: its cuBLAS figure
+    alone), which the memory model's probe (:mod:`meshpar.plan.time.gemm`) reads: its cuBLAS figure
     is checked on jaxlib 0.10, where the two agree. Public API to move to: none (a property of
     XLA's GPU compiler, not of jax's API)."""
     import jax

@@ -1,8 +1,8 @@
 """Reading jaxprs: every primitive name and every jaxpr parameter meshpar looks at, in one place.
 
-The planner's memory model (:mod:`meshpar.plan.memory`), its offload profile
-(:mod:`meshpar.plan.offload_plan`) and host offload's check of a traced step
-(:mod:`meshpar.offload`) read the programs jax builds. What they ask of an equation — is it a
+The planner's memory model (:mod:`meshpar.plan.memory.analytic`), its offload profile
+(:mod:`meshpar.plan.out_of_core.offload_plan`) and host offload's check of a traced step
+(:mod:`meshpar.sharding.offload`) read the programs jax builds. What they ask of an equation — is it a
 call whose body maps its inputs one to one, a layer under ``jax.checkpoint``, a loop and how many
 times it runs, a matmul, a relabelling of its operand's bytes, a ``checkpoint_name`` tag, a move
 to host memory — is answered here, and only here, so a primitive renamed or a parameter

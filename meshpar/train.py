@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshpar import config as config_lib
-from meshpar import distributed, errors, experiment, loop
-from meshpar.config import Config
-from meshpar.stop import Interrupted
+from meshpar.configuration import config as config_lib
+from meshpar.configuration import errors
+from meshpar.configuration.config import Config
+from meshpar.processes import distributed
+from meshpar.processes.stop import Interrupted
+from meshpar.run import experiment, loop
 
 
 def run(cfg: Config) -> dict:

@@ -60,9 +60,11 @@ import numpy as np
 import meshpar  # noqa: F401 - before anything imports jax: it quiets jax's CUDA plugin where no GPU is
 from input_pipeline.batching import HostLoader, aligned_empty
 from input_pipeline.feeding import FEEDERS
-from meshpar import config as config_lib
-from meshpar import errors, experiment, stop
-from meshpar import mesh as mesh_lib
+from meshpar.configuration import config as config_lib
+from meshpar.configuration import errors
+from meshpar.processes import stop
+from meshpar.run import experiment
+from meshpar.sharding import mesh as mesh_lib
 
 ROW_FLOATS = 4096  # 16 KiB per example row, so a batch of B MiB has 64·B rows
 MEMORIES = ("aligned", "unaligned", "pinned")

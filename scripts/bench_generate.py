@@ -4,7 +4,7 @@ second, and whether the two make the same tokens.
 For each run and each batch size B (B copies of one prompt, so all rows are the same length and
 nothing is padded), in this one process, on the run's mesh and layout (or the overrides'):
 
-- ``cached``: :func:`meshpar.decoding.generate`, greedy, N new tokens, the end-of-sequence stop
+- ``cached``: :func:`meshpar.run.decoding.generate`, greedy, N new tokens, the end-of-sequence stop
   off: one jitted prefill, then one jitted decode step per token with the cache donated;
 - ``baseline``: the same greedy generation without a cache: each new token is one jitted full
   forward pass of the same model (the same parameters, mesh and the run's own layout) over a
@@ -77,7 +77,7 @@ def baseline_step(gen, rows: int, window: int):
     import jax.numpy as jnp
     from flax import nnx
 
-    from meshpar import layout as layout_lib
+    from meshpar.sharding import layout as layout_lib
 
     layout, mesh, graphdef = gen.layout, gen.mesh, gen.graphdef
 
@@ -125,7 +125,7 @@ def run_baseline(gen, step, token_sharding, prompt: np.ndarray, rows: int, windo
 
 
 def bench_row(gen, prompt: np.ndarray, b: int, new: int, repeats: int) -> dict:
-    from meshpar import decoding
+    from meshpar.run import decoding
 
     rows = -(-b // gen.layout.axis_size("batch")) * gen.layout.axis_size("batch")
     length_split = gen.layout.axis_size("length")
@@ -182,7 +182,7 @@ def bench_row(gen, prompt: np.ndarray, b: int, new: int, repeats: int) -> dict:
 
 
 def bench_run(workdir: pathlib.Path, args, batches: list[int]) -> dict:
-    from meshpar import decoding
+    from meshpar.run import decoding
 
     cfg, saved = decoding.run_config(workdir, args.overrides)
     gen = decoding.open_generator(cfg, run=saved)  # makes the mesh: the first thing to start JAX's backend
@@ -221,7 +221,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from meshpar import errors
+    from meshpar.configuration import errors
 
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     if args.new_tokens < 2 or args.repeats < 1 or not batches or min(batches) < 1:

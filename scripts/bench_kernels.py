@@ -8,7 +8,7 @@ timed as one jitted program (so a run's dispatch is spread over its kernels):
 
 * **GEMMs by shape**: bf16 ``[M, K] @ [K, N]`` for large, square and thin shapes (a
   tensor-parallel projection of few tokens, a long-K weight gradient) → achieved TFLOP/s against
-  :func:`meshpar.plan.kernels.gemm_seconds`' prediction;
+  :func:`meshpar.plan.time.kernels.gemm_seconds`' prediction;
 * **the fixed cost of a kernel**: a chain of tiny dependent matrix products XLA cannot fuse
   (a product of [8, 8] matrices: next to no work), per kernel → against ``kernels.launch_us``;
 * **memory bandwidth**: an elementwise pass over a large array (reads and writes every byte)
@@ -46,7 +46,7 @@ def gemms(shapes, repeats: int, topo) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from meshpar.plan import kernels
+    from meshpar.plan.time import kernels
 
     out = []
     for m, n, k in shapes:

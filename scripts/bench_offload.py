@@ -8,7 +8,7 @@ Settings, each the config with one ``offload`` change: ``none``; ``optimizer``; 
 ``<setting>@device``, the same names *saved* on the devices (``save_only_these_names``): the
 program activation offload changes is the remat policy's, so that is what it is compared with.
 For each setting the experiment is built as ``python -m meshpar.train`` builds it
-(:func:`meshpar.experiment.build`; checkpoints, eval and the pre-flight off), its train step is
+(:func:`meshpar.run.experiment.build`; checkpoints, eval and the pre-flight off), its train step is
 compiled ahead of time, and N steps run on the first batches, each waited for. Reported:
 
 * the median wall time of a step (the first, warm-up, left out) and its ratio to ``none``;
@@ -16,7 +16,7 @@ compiled ahead of time, and N steps run on the first batches, each waited for. R
   devices), where the backend reports it ("n/a (cpu)" otherwise);
 * XLA's ``memory_analysis()`` of the compiled step, per device, ``host_*`` fields included;
 * where the offloaded values go: per offloaded name, whether the traced program moves it to
-  host memory (read from the jaxpr, :func:`meshpar.offload.names_moved_to_host`) and whether
+  host memory (read from the jaxpr, :func:`meshpar.sharding.offload.names_moved_to_host`) and whether
   the compiled HLO holds a host-memory array of its value's size (by size only: names of one
   shape, such as query, key and value, are not told apart); for the whole program,
   instructions with a host-memory (``S(5)``) shape, ``copy-start`` / ``copy-done`` pairs,
@@ -165,8 +165,11 @@ def run_one(label: str, args) -> dict:
     """One setting, in this process: build, compile, step; its figures as a dict."""
     import jax
 
-    from meshpar import config, experiment, offload, parts, stop, trainer
-    from meshpar import mesh as mesh_lib
+    from meshpar.configuration import config
+    from meshpar.processes import stop
+    from meshpar.run import experiment, parts, trainer
+    from meshpar.sharding import mesh as mesh_lib
+    from meshpar.sharding import offload
 
     overrides, memory = SETTINGS[label]
     workdir = tempfile.mkdtemp(prefix="meshpar-bench-offload-")
@@ -326,7 +329,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
     cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
-    from meshpar.config import ConfigError
+    from meshpar.configuration.config import ConfigError
 
     started = time.perf_counter()
     results = []

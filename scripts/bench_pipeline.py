@@ -22,7 +22,7 @@ waited for. Reported per row:
 * ``× S=1``: the median over rounds of the block's median step over the baseline's of the same
   round, with a 95% bootstrap interval;
 * ``ticks`` and ``bubble (computed)``: the schedule's forward ticks R·M + S − 1 and idle share per
-  stage (S − 1)/(R·M + S − 1) (:class:`meshpar.pipeline.Schedule`): arithmetic, not a measurement;
+  stage (S − 1)/(R·M + S − 1) (:class:`meshpar.sharding.stages.Schedule`): arithmetic, not a measurement;
 * ``temp MiB/dev``: XLA ``compiled.memory_analysis()`` temp bytes per device (activations kept for
   the backward pass: per stage, ``ticks/RM`` = ticks/(R·M) times the batch's for its layers);
 * collective-permute and all-gather ops in the compiled HLO (``compiled.as_text()``, counted once
@@ -94,8 +94,10 @@ class Row:
     """One configuration: its experiment, compiled step, state, placed batches and figures."""
 
     def __init__(self, key: tuple[int, int, str, int], args, workdir: str):
-        from meshpar import config, experiment, parts, stop
-        from meshpar.plan import timing
+        from meshpar.configuration import config
+        from meshpar.plan.time import timing
+        from meshpar.processes import stop
+        from meshpar.run import experiment, parts
 
         stages, microbatches, kind, repeats = key
         mesh, layout = MESHES[stages]
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 2, 1
     started = time.perf_counter()
-    from meshpar import mesh as mesh_lib
+    from meshpar.sharding import mesh as mesh_lib
 
     mesh_lib.request_cpu_devices(8)  # before the backend starts
     import jax
@@ -192,10 +194,10 @@ def main(argv=None) -> int:
         "sources": {
             "median_step_s": "measured: wall clock of one train step, waited for; median over every timed block",
             "ratio_to_baseline": "measured: per round, the row's block median over the baseline's; median, 95% bootstrap",
-            "ticks, bubble_computed": "computed from the schedule (meshpar.pipeline.Schedule), not measured",
+            "ticks, bubble_computed": "computed from the schedule (meshpar.sharding.stages.Schedule), not measured",
             "memory_analysis": "XLA compiled.memory_analysis() of the train step, per device",
             "compile_s": "lowering and XLA compile of the step; may come from jax's persistent compilation cache",
-            "hlo_*": "compiled.as_text(), parsed by meshpar.plan.timing.collectives: one per HLO instruction",
+            "hlo_*": "compiled.as_text(), parsed by meshpar.plan.time.timing.collectives: one per HLO instruction",
         },
         "failures": failures,
     }  # fmt: skip

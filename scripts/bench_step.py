@@ -8,11 +8,11 @@ same batches, placed on the devices before it starts; it fetches each step's los
 gradient norm one step late, as meshpar's loop does. Then, in rounds of one block per arm,
 the order reversed every other round (so a slow drift of the machine falls on all alike):
 
-- ``meshpar``: ``meshpar.loop.train`` for one block of steps, fed the same placed batches as
+- ``meshpar``: ``meshpar.run.loop.train`` for one block of steps, fed the same placed batches as
   the hand loop (the loop's own cost: results fetched a step late, metrics rows, run
   statistics, stop flags, NaN guard);
 - ``hand``: the hand-written loop for the same number of steps;
-- ``meshpar_pipeline``: ``meshpar.loop.train`` with its own input pipeline placing the batches
+- ``meshpar_pipeline``: ``meshpar.run.loop.train`` with its own input pipeline placing the batches
   (host batches read and placed on a background thread, ``feed.prefetch`` ahead): the loop
   and its input pipeline together. On CPU the pipeline's host work (about half a millisecond
   per batch of mlp_model_parallel) competes with XLA's compute for the same cores.
@@ -81,8 +81,8 @@ def hand_step(exp):
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from meshpar import layout as layout_lib
-    from meshpar import parts
+    from meshpar.run import parts
+    from meshpar.sharding import layout as layout_lib
 
     tx, plan = parts.plan_model(exp.cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
 
@@ -145,7 +145,8 @@ def preplaced(batches):
 
 
 def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
-    from meshpar import config, experiment, loop
+    from meshpar.configuration import config
+    from meshpar.run import experiment, loop
 
     arms = [a.strip() for a in args.arms.split(",")]
     overrides = [

@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
-    from meshpar import config, experiment, stop
+    from meshpar.configuration import config
+    from meshpar.processes import stop
+    from meshpar.run import experiment
 
     cfg = config.load(args.config, [*args.overrides, "mesh=data:1", "layout=batch:data", "train.progress=false"])
     if hasattr(cfg.model, "scan_layers"):  # count every layer (see above)

@@ -395,7 +395,7 @@ def batch_sweep(base: int, per_doubling: int = 4, doublings: tuple[int, int] = (
 def out_of_core_sweep(argv: list[str]) -> int:
     """``device_check.py out-of-core-sweep --topology T --json PATH [k=v ...]``: the batch size at
     which gpu_lm (under the overrides) needs closest to UM_FACTOR × one device's memory without
-    offload, by the planner's memory model (:func:`meshpar.plan.out_of_core.compare` without its
+    offload, by the planner's memory model (:func:`meshpar.plan.out_of_core.comparison.compare` without its
     per-size compile: a compile of gpu_lm per batch size would take the check's whole budget).
     Doublings from half the config's batch size to 128 × it, then quarter-doublings inside the
     pair that brackets the target: the pick of the whole four-per-doubling range for a need that
@@ -405,8 +405,10 @@ def out_of_core_sweep(argv: list[str]) -> int:
     p.add_argument("--json", type=pathlib.Path, required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from meshpar import compile_cache, config, parts
-    from meshpar.plan import gpu_target, out_of_core, topology
+    from meshpar.configuration import config
+    from meshpar.plan import gpu_target, topology
+    from meshpar.plan.out_of_core import comparison as out_of_core
+    from meshpar.run import compile_cache, parts
 
     cfg = config.load(str(ROOT / GPU_LM), args.overrides)
     topo = topology.load(args.topology)
@@ -550,7 +552,7 @@ def unified(args, device: dict) -> dict:
     rc, text = run(sweep, seconds, args.log, env)
     picked_batch = read_json(args.work / "out_of_core_sweep.json")
     if rc != 0 or not picked_batch:
-        return failure(rc, seconds, text, "the batch-size sweep (meshpar.plan.out_of_core)")
+        return failure(rc, seconds, text, "the batch-size sweep (meshpar.plan.out_of_core.comparison)")
     batch = picked_batch["batch_size"]
     # 2. The planner's comparison at that size, its step compiled: the rows the runs are set beside.
     path = args.work / "out_of_core.json"

@@ -8,7 +8,7 @@ Reads ``DIR/{device,a_feed,plan,b_gpu_lm,c_feeding,f_kernels,d_offload,d_unified
 ``DIR/e_predictions.json`` and ``DIR/summary.md``. A missing or failed section is a row that
 says so, never a missing file. Predictions come from :mod:`meshpar.plan` on the topology
 ``device.json`` names (``h200-sxm-1`` for one H200; ``cpu-sim`` in a dry run, measured on this
-host): placement from :mod:`meshpar.plan.feed_time`, the step and the memory from
+host): placement from :mod:`meshpar.plan.time.feed_time`, the step and the memory from
 ``python -m meshpar.plan`` (section ``plan``), unified memory and swap from ``python -m
 meshpar.plan --compare-out-of-core`` (section ``d_unified_memory``, which records them).
 """
@@ -63,7 +63,8 @@ def predictions(sections: dict) -> dict:
         topo = _topology(device)
     except Exception as e:
         return {**out, "status": "failed", "note": f"topology {device['topology']}: {' '.join(str(e).split())}"}
-    from meshpar.plan import cost, feed_time
+    from meshpar.plan import cost
+    from meshpar.plan.time import feed_time
 
     rows = out["rows"]
 
@@ -93,7 +94,7 @@ def predictions(sections: dict) -> dict:
             "1/s",
         )
         add("b", "gpu_lm peak memory per device", lm.get("memory_stats_peak_bytes"), planned.get("needed_bytes"), "B")
-    from meshpar import config as config_lib
+    from meshpar.configuration import config as config_lib
 
     for m in sections["c_feeding"].get("meshes", []):
         if m.get("status") != "ok":

@@ -35,7 +35,7 @@ from pathlib import Path
 import common
 from train_runs import committed_steps, compare_states, interrupt, load_state, logged_steps, losses, run_to_end
 
-from meshpar import config as config_lib
+from meshpar.configuration import config as config_lib
 
 # ~25-30 s uninterrupted on 2 CPU cores (the saves every 7 steps cost about as much as the steps).
 DEFAULT_OVERRIDES = ("train.steps=600", "train.log_every=1", "train.progress=false", "checkpoint.every=7")

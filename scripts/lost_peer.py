@@ -8,7 +8,7 @@ Starts two processes of the config on this host (CPU devices, gloo), waits for t
 committed checkpoint and one second more, SIGKILLs `--victim`, and reports the survivor: its
 exit status, the seconds from the kill to its end, and its last stderr line. A killed process
 cannot tell anyone, so the survivor learns of it from meshpar's own heartbeat check
-(meshpar.liveness) or, failing that, from jax's abort (exit 134 and a C++ stack trace).
+(meshpar.processes.liveness) or, failing that, from jax's abort (exit 134 and a C++ stack trace).
 
 Prints a table, writes ``<workdir>/lost_peer.json``. Exit status 0 only if the survivor ended
 with exit 1 and one ``training error: lost ...`` line naming the last checkpoint, within
@@ -29,7 +29,7 @@ from pathlib import Path
 import common
 from train_runs import command, free_port
 
-from meshpar.rundir import committed_steps
+from meshpar.checkpoints.rundir import committed_steps
 
 OVERRIDES = ("train.steps=100000", "train.log_every=1", "checkpoint.every=10", "train.progress=false")
 MARGIN_S = 5.0  # beyond the heartbeat timeout: the check reads about once a second

@@ -22,7 +22,7 @@ import time
 import common
 from train_runs import command
 
-from meshpar.metrics import read_jsonl
+from meshpar.run.metrics import read_jsonl
 
 DTYPES = ("float32", "bfloat16")
 

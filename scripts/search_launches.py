@@ -1,7 +1,7 @@
 """The search estimate's kernel launches against XLA:GPU's program of the same step.
 
 For Megatron's GPT (hidden 1024, 24 layers, remat full, bf16) on 8 × A100 under three layouts,
-prints the launches the analytic estimate counts (:func:`meshpar.plan.search.pass_kernels` per
+prints the launches the analytic estimate counts (:func:`meshpar.plan.search.layouts.pass_kernels` per
 pass, times the passes) beside the kernels the compiled program launches (compiled deviceless by
 XLA's GPU compiler: needs the gpu-plan extra) and their ratio; the estimate is a lower bound, so
 the script exits 1 where it counts more than the program has.
@@ -16,10 +16,14 @@ import sys
 
 import validate_published as vp
 
-from meshpar import config as config_lib
-from meshpar import mesh as mesh_lib
-from meshpar import models, parts
-from meshpar.plan import gpu_target, search, stages, timing, topology
+from meshpar import models
+from meshpar.configuration import config as config_lib
+from meshpar.plan import gpu_target, topology
+from meshpar.plan.memory import stage_axis as stages
+from meshpar.plan.search import layouts as search
+from meshpar.plan.time import timing
+from meshpar.run import parts
+from meshpar.sharding import mesh as mesh_lib
 
 LAYOUT = "batch:data; heads:model; d_ff:model; vocab:model; layers:stage"
 CASES = [([("data", 8)], 2), ([("data", 4), ("model", 2)], 4), ([("data", 2), ("stage", 2), ("model", 2)], 8)]

@@ -4,7 +4,7 @@
         --vary train.microbatches=1,2,4 [--vary model.n_layers=2,8] [--json out.json]
 
 Each variant (every combination of the ``--vary`` values, applied on top of the overrides) is
-the config's real train step, compiled ahead of time on abstract inputs (:mod:`meshpar.aot`):
+the config's real train step, compiled ahead of time on abstract inputs (:mod:`meshpar.run.aot`):
 nothing is allocated and no step runs. The figures are XLA's ``memory_analysis()`` of the
 compiled program, per device: arguments, outputs, aliased (donated) bytes, temporaries, and
 their total (argument + output + temp − alias). ``--vary`` values are split on ``,``, or on
@@ -80,8 +80,9 @@ def main(argv=None) -> int:
 
     import jax
 
-    from meshpar import config, mesh
-    from meshpar.config import ConfigError
+    from meshpar.configuration import config
+    from meshpar.configuration.config import ConfigError
+    from meshpar.sharding import mesh
 
     rows = variants(args.vary)
     try:
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from meshpar import aot, parts
+    from meshpar.run import aot, parts
 
     table = Table(title=f"{args.config} {' '.join(args.overrides)}: compiled train step, MiB per device")
     table.add_column("variant")

@@ -22,11 +22,13 @@ from pathlib import Path
 import common
 import numpy as np
 
-from meshpar import config as config_lib
-from meshpar import experiment as experiment_lib
-from meshpar.checkpoint import _path_name
-from meshpar.metrics import read_jsonl
-from meshpar.rundir import committed_steps  # also for callers: the library's own reading of a checkpoint folder
+from meshpar.checkpoints.checkpoint import _path_name
+from meshpar.checkpoints.rundir import (
+    committed_steps,  # also for callers: the library's own reading of a checkpoint folder
+)
+from meshpar.configuration import config as config_lib
+from meshpar.run import experiment as experiment_lib
+from meshpar.run.metrics import read_jsonl
 
 # --------------------------------------------------------------------------------------------
 # Reading a run's files from outside (read-only: never touch what the run owns).

@@ -14,8 +14,8 @@ and fewer; nobody tuned the model on them. Default: both sets; ``--generated``: 
 ``--ci``: the shipped set and a CI-sized slice of the generated one (:func:`ci_slice`); configs
 given as arguments: those alone.
 
-For each: :func:`meshpar.plan.memory.analytic` (nothing compiled) and the real train step
-compiled ahead of time on abstract inputs (:func:`meshpar.aot.memory`), MiB per device.
+For each: :func:`meshpar.plan.memory.analytic.analytic` (nothing compiled) and the real train step
+compiled ahead of time on abstract inputs (:func:`meshpar.run.aot.memory`), MiB per device.
 Nothing is allocated and no step runs. XLA sees one step program, so the analytic figures are
 compared on what that program holds:
 
@@ -36,14 +36,14 @@ step compiled for each machine's GPUs by XLA's GPU compiler, deviceless
 in the compiled program (its GEMM custom calls counted) — against the analytic model for that
 platform and lowering (traced as the GPU program is: the layer loop's form, the attention
 kernel; each matmul's scratch read from XLA:GPU's lowering of it alone:
-:func:`meshpar.plan.gemm.matmul_scratch`), step total against XLA's total. A mesh with more
+:func:`meshpar.plan.time.gemm.matmul_scratch`), step total against XLA's total. A mesh with more
 devices than the machine is "n/a"; the table's ✗ marks a miss. ``--gpu-ci``:
 GPU_CI, a few small configs on GPU_CI_TARGETS, both lowerings, XLA:GPU only (``--ci`` has the XLA:CPU
 rows), for CI with the extra installed.
 
 A row passes when its step total is within ``--target`` (default TARGET) of XLA's, on every
 platform compiled for. A config the model declares out of its scope on a platform
-(:func:`meshpar.plan.memory.out_of_scope`) is listed with the reason and counts neither way; a
+(:func:`meshpar.plan.memory.analytic.out_of_scope`) is listed with the reason and counts neither way; a
 config that cannot be planned (a config, layout or data error) is one line with the error and
 counts as a miss; the JSON has every figure (a row's ``gpu``: per machine and lowering). Exit
 status: 1 when any row in scope misses the target, else 0; 2 when XLA:GPU columns were asked
@@ -71,7 +71,7 @@ VARIANTS = [
     ("experiments/mlp_data_parallel.yaml", ["model.remat=full"]),
     ("experiments/mlp_model_parallel.yaml", ["train.microbatches=4"]),
     ("experiments/quickstart.yaml", ["model.scan_unroll=1"]),
-    # a stage axis (meshpar.plan.stages): other layer counts, stages, microbatches, repeats, widths
+    # a stage axis (meshpar.plan.memory.stage_axis): other layer counts, stages, microbatches, repeats, widths
     ("experiments/transformer_pipeline.yaml", ["train.microbatches=4"]),
     ("experiments/transformer_pipeline.yaml", ["model.n_layers=8"]),
     ("experiments/transformer_pipeline.yaml", ["model.d_model=256", "model.d_ff=1024"]),
@@ -252,7 +252,7 @@ def generated() -> list[tuple[str, list[str]]]:
 
 def _cost(run: tuple[str, list[str]]) -> int:
     """A rough size of a config's compile and step: its widths, depth, length and batch."""
-    from meshpar import config
+    from meshpar.configuration import config
 
     try:
         cfg = config.load(*run)
@@ -277,7 +277,7 @@ def ci_slice(runs: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
 
 
 def _family(run: tuple[str, list[str]]) -> str | None:
-    from meshpar import config
+    from meshpar.configuration import config
 
     try:
         return config.load(*run).model.name
@@ -314,8 +314,9 @@ def measure(path: str, overrides: list[str]) -> dict:
     """One row: the analytic breakdown against XLA's compiled step, or why there is none."""
     import jax
 
-    from meshpar import aot, config, parts
-    from meshpar.plan import memory
+    from meshpar.configuration import config
+    from meshpar.plan.memory import analytic as memory
+    from meshpar.run import aot, parts
 
     cfg = config.load(path, [*overrides, "train.progress=false"])
     row = {"config": path, "overrides": overrides}
@@ -340,9 +341,11 @@ def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
     against the analytic model for that platform and lowering: ``{"compiled_for", "lowerings":
     {lowering: {"analytic", "step_total_bytes", "xla", "compare", "gemm_calls"}}}``; ``{"n/a": why}``
     when the mesh does not fit the machine, ``{"out_of_scope": why}``, or ``{"error": why}`` (a miss)."""
-    from meshpar import aot, compile_cache, config, parts
-    from meshpar import mesh as mesh_lib
-    from meshpar.plan import gpu_target, memory, topology
+    from meshpar.configuration import config
+    from meshpar.plan import gpu_target, topology
+    from meshpar.plan.memory import analytic as memory
+    from meshpar.run import aot, compile_cache, parts
+    from meshpar.sharding import mesh as mesh_lib
 
     try:
         cfg = config.load(path, [*overrides, "train.progress=false"])
@@ -534,7 +537,8 @@ def main(argv=None) -> int:
     else:
         sets = {"shipped": shipped, "generated": generated()}
 
-    from meshpar import config, mesh
+    from meshpar.configuration import config
+    from meshpar.sharding import mesh
 
     if args.family:
         sets = {k: [r for r in runs if _family(r) == args.family] for k, runs in sets.items()}

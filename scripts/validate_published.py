@@ -17,7 +17,7 @@ parent, as the development set is laid out; see its README for every source):
   and attention, planned on ``h100-sxm-8`` or ``h100-sxm-2x8``.
 
 Each row's train step is compiled by XLA's GPU compiler for its machine, deviceless (the
-``gpu-plan`` extra), and priced by :func:`meshpar.plan.timing.predict`; the compiled HLO is
+``gpu-plan`` extra), and priced by :func:`meshpar.plan.time.timing.predict`; the compiled HLO is
 cached under ``--cache`` (keyed by the config, the machine, jax's version and meshpar's
 program-building sources), so a rerun after a change to the time model alone compiles nothing.
 
@@ -33,11 +33,11 @@ of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (
 ``"8xA100 h2048 L24 gb32"``; repeatable); none of them: every row. About 8 s per row to
 compile on one core, nothing once cached.
 
-``--memory``: also the analytic memory plan (:func:`meshpar.plan.memory.analytic`, the step's
+``--memory``: also the analytic memory plan (:func:`meshpar.plan.memory.analytic.analytic`, the step's
 total: less the batches queued outside it) against XLA's total for the same compiled step,
 per vTrain row (the search filters its candidates with the plan). Target: every row within 10%.
 
-``--search``: also ``python -m meshpar.plan --search`` (:func:`meshpar.plan.search.search`, the
+``--search``: also ``python -m meshpar.plan --search`` (:func:`meshpar.plan.search.layouts.search`, the
 top 5 compiled for the group's GPUs) on each group's model and global batch, on its machine:
 the search starts from plain data parallelism (no measured layout is the config's own). Printed:
 its recommendation (as ``key=value`` overrides, and as Megatron's TP, DP, PP and micro batch: a
@@ -218,12 +218,12 @@ def _key(row: Row, digest: str) -> str:
 def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = False) -> tuple[str, float]:
     """The optimised HLO of the row's train step on its machine (cached), and the compile time
     (0 when cached). Beside it, XLA's memory figures of the compiled step (``.xla.json``:
-    :func:`meshpar.aot.memory`); `need_memory`: compile again where an older cache entry lacks them."""
+    :func:`meshpar.run.aot.memory`); `need_memory`: compile again where an older cache entry lacks them."""
     import numpy as np
 
-    from meshpar import aot, compile_cache, parts
-    from meshpar import config as config_lib
+    from meshpar.configuration import config as config_lib
     from meshpar.plan import gpu_target, topology
+    from meshpar.run import aot, compile_cache, parts
 
     path = cache / f"{_key(row, digest)}.hlo"
     if path.is_file() and (not need_memory or path.with_suffix(".xla.json").is_file()):
@@ -247,13 +247,14 @@ def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = 
 
 
 def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
-    """The analytic memory plan's step total (:func:`meshpar.plan.memory.analytic`, less the
+    """The analytic memory plan's step total (:func:`meshpar.plan.memory.analytic.analytic`, less the
     batches queued outside the step) and XLA's total for the row's compiled step, per device."""
     import numpy as np
 
-    from meshpar import config as config_lib
-    from meshpar import parts
-    from meshpar.plan import gpu_target, memory, topology
+    from meshpar.configuration import config as config_lib
+    from meshpar.plan import gpu_target, topology
+    from meshpar.plan.memory import analytic as memory
+    from meshpar.run import parts
 
     compile_hlo(row, cache, digest, need_memory=True)
     xla = json.loads((cache / f"{_key(row, digest)}.xla.json").read_text())["total_bytes"]
@@ -266,8 +267,9 @@ def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
 
 
 def predict(row: Row, text: str):
-    from meshpar import config as config_lib
-    from meshpar.plan import timing, topology
+    from meshpar.configuration import config as config_lib
+    from meshpar.plan import topology
+    from meshpar.plan.time import timing
 
     cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
     mesh = dict(cfg.mesh)
@@ -353,8 +355,9 @@ def search_group(rows: list[Row]) -> dict:
     layout is the config's own): its recommendation, the group's measured times of that layout
     (TP, DP, PP) at each micro batch, and the first layout in its ranking measured at its own
     micro batch, each against the group's fastest."""
-    from meshpar import config as config_lib
-    from meshpar.plan import search, topology
+    from meshpar.configuration import config as config_lib
+    from meshpar.plan import topology
+    from meshpar.plan.search import layouts as search
 
     gpus = int(rows[0].group.split("x")[0])
     raw = json.loads(json.dumps(rows[0].config))
@@ -439,7 +442,7 @@ def main(argv=None) -> int:
         print(f"data error: {e}", file=sys.stderr)
         return 2
     if args.search:  # the search plans on this host's CPU devices, one per GPU: asked for before jax starts
-        from meshpar import mesh as mesh_lib
+        from meshpar.sharding import mesh as mesh_lib
 
         mesh_lib.request_cpu_devices(max((int(r.group.split("x")[0]) for r in rows if r.source == "vtrain"), default=1))
     digest = _program_sources_digest()

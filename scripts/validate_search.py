@@ -3,7 +3,7 @@
     python scripts/validate_search.py [--config experiments/quickstart.yaml] [--count 12]
         [--rounds 7] [--steps 3] [--json out.json]
 
-Runs the search (:func:`meshpar.plan.search.search`, on ``cpu-sim``, the top 5 compiled) on
+Runs the search (:func:`meshpar.plan.search.layouts.search`, on ``cpu-sim``, the top 5 compiled) on
 the config, then picks ``--count`` of the layouts that fit, spread over its ranking: the top 3
 and the rest evenly spaced down to the last. For each: the train step compiled ahead of time
 (the program a run calls), the state materialised in its shardings, random batches placed in
@@ -64,8 +64,8 @@ class Runner:
     """One layout's compiled step, state and batches, stepped on demand."""
 
     def __init__(self, row, topo):
-        from meshpar import stop
-        from meshpar.plan import timing
+        from meshpar.plan.time import timing
+        from meshpar.processes import stop
 
         step = row.step
         self.row = row
@@ -101,12 +101,13 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from meshpar import config as config_lib
-    from meshpar import layout as layout_lib
-    from meshpar import parts
-    from meshpar.plan import candidates, topology
-    from meshpar.plan import search as search_lib
-    from meshpar.plan.time_report import fmt_seconds
+    from meshpar.configuration import config as config_lib
+    from meshpar.plan import topology
+    from meshpar.plan.search import candidates
+    from meshpar.plan.search import layouts as search_lib
+    from meshpar.plan.time.time_report import fmt_seconds
+    from meshpar.run import parts
+    from meshpar.sharding import layout as layout_lib
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:

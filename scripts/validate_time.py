@@ -10,8 +10,8 @@ never from these experiments. Per experiment, ``--rounds`` rounds of:
 * **calibrate**: cpu-sim measured again (on a shared host the load drifts within minutes;
   each round's prediction uses figures taken next to its measurement);
 * **predict**: the train step the run calls (compiled ahead of time), its compute, bytes and
-  collectives read from the HLO (:func:`meshpar.plan.timing.predict`, no feed), and the
-  placement of one batch in each feed mode (:func:`meshpar.plan.feed_time.placement_time`);
+  collectives read from the HLO (:func:`meshpar.plan.time.timing.predict`, no feed), and the
+  placement of one batch in each feed mode (:func:`meshpar.plan.time.feed_time.placement_time`);
 * **measure**: that same compiled program run in this process on the experiment's real
   materialised state and placed batches (as ``python -m meshpar.train`` builds them, with
   ``feed.prefetch=0``), ``--steps`` steps after a warm-up, each waited for
@@ -82,9 +82,11 @@ def _summary(predicted: list[float], measured: list[float]) -> dict:
 def measure(path: str, args, workdir: str) -> dict:
     import jax
 
-    from meshpar import config as config_lib
-    from meshpar import experiment, stop
-    from meshpar.plan import cost, feed_time, timing
+    from meshpar.configuration import config as config_lib
+    from meshpar.plan import cost
+    from meshpar.plan.time import feed_time, timing
+    from meshpar.processes import stop
+    from meshpar.run import experiment
 
     overrides = [
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "feed.prefetch=0",
@@ -155,8 +157,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     paths = args.configs or sorted(glob.glob("experiments/*.yaml"))
 
-    from meshpar import config, mesh
-    from meshpar.plan import candidates
+    from meshpar.configuration import config
+    from meshpar.plan.search import candidates
+    from meshpar.sharding import mesh
 
     counts = []
     for p in paths:  # a config that does not load is measured (and reported) below

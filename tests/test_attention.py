@@ -11,14 +11,15 @@ import optax
 import pytest
 from flax import nnx
 
-from meshpar import config, trainer
-from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
-from meshpar.config import ConfigError
-from meshpar.inputs import batch_shardings
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.models import attention
 from meshpar.models.layers import scan_unroll
 from meshpar.models.transformer import TransformerConfig, build
+from meshpar.run import trainer
+from meshpar.run.inputs import batch_shardings
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
 
 LENGTH, BATCH = 32, 8
 SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}

@@ -24,11 +24,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshpar import config, experiment, integrity, parts, pipeline
-from meshpar.checkpoint import Checkpointer, CheckpointError, Codec
-from meshpar.config import ConfigError
-from meshpar.stop import make_flags
-from meshpar.trainer import TrainState
+from meshpar.checkpoints import integrity
+from meshpar.checkpoints.checkpoint import Checkpointer, CheckpointError, Codec
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.processes.stop import make_flags
+from meshpar.run import experiment, parts
+from meshpar.run.trainer import TrainState
+from meshpar.sharding import stages as pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -452,8 +455,8 @@ _SAVER = textwrap.dedent(
     guard.start()
     import jax.numpy as jnp
     from meshpar import integrity
-    from meshpar.checkpoint import Checkpointer
-    from meshpar.trainer import TrainState
+    from meshpar.checkpoints.checkpoint import Checkpointer
+    from meshpar.run.trainer import TrainState
 
     def state(k):
         w, rng = jnp.arange(4096.0) * k, jnp.array([k, 7], jnp.uint32)
@@ -560,7 +563,7 @@ def test_asyncio_reports_of_abandoned_orbax_writes_are_dropped_and_nothing_else(
     import logging
     import sys
 
-    from meshpar.checkpoint import _drop_abandoned_orbax_tasks
+    from meshpar.checkpoints.checkpoint import _drop_abandoned_orbax_tasks
 
     def record(message, filename):
         try:

@@ -1,4 +1,4 @@
-"""meshpar.config: YAML + overrides → validated Config; every mistake a one-line ConfigError."""
+"""meshpar.configuration.config: YAML + overrides → validated Config; every mistake a one-line ConfigError."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshpar import config as config_lib
-from meshpar.config import Config, ConfigError, from_dict, load
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import Config, ConfigError, from_dict, load
 from meshpar.models.mlp import MLPConfig
 
 MODEL = {"name": "mlp"}
@@ -327,8 +327,8 @@ def test_layout_errors_become_config_errors(mesh, layout, substrings):
 
 
 def test_layout_may_name_axes_the_mesh_does_not_have():
-    # As in Mesh TensorFlow, such rules are left out (meshpar.layout.Layout.create) and reported
-    # at start (meshpar.parts.unused_rules), not refused: one rule string serves many meshes.
+    # As in Mesh TensorFlow, such rules are left out (meshpar.sharding.layout.Layout.create) and reported
+    # at start (meshpar.run.parts.unused_rules), not refused: one rule string serves many meshes.
     assert from_dict(cfg_with(layout="hidden:model")).layout == (("hidden", "model"),)
     cfg = from_dict(cfg_with(mesh="b1:4;b2:2", layout="batch:(b0,b1);hidden:b2", train={"batch_size": 4}))
     assert cfg.mesh == (("b1", 4), ("b2", 2)) and cfg.layout == (("batch", ("b0", "b1")), ("hidden", "b2"))

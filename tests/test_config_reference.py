@@ -13,9 +13,9 @@ import typing
 from typing import Literal
 
 from meshpar import config_reference as ref
-from meshpar.config import Config, TrainConfig
+from meshpar.configuration.config import Config, TrainConfig
+from meshpar.configuration.schema import at_least, between
 from meshpar.models import MODELS
-from meshpar.schema import at_least, between
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

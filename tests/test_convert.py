@@ -18,12 +18,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshpar import config, convert, experiment, init_from, loop, parts, train
-from meshpar import layout as layout_lib
-from meshpar.config import ConfigError
+from meshpar import convert, train
+from meshpar.checkpoints import init_from
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.hf import export, reader, runs, writer
 from meshpar.hf import load as hf_load
-from meshpar.metrics import read_jsonl
+from meshpar.run import experiment, loop, parts
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding import layout as layout_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # A run of the untied_f32 fixture's architecture: byte-level text (its vocabulary is 256).

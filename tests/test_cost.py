@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshpar import config
-from meshpar.config import ConfigError
-from meshpar.plan import cost, search, topology
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.plan import cost, topology
+from meshpar.plan.search import layouts as search
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "experiments" / "quickstart.yaml")
@@ -181,7 +182,7 @@ ONCE = {
 
 def test_each_shared_figure_is_computed_in_the_cost_module_only():
     found = {}
-    for path in (REPO / "meshpar" / "plan").glob("*.py"):
+    for path in (REPO / "meshpar" / "plan").rglob("*.py"):
         if path.name == "cost.py":
             continue
         code = _code(path)

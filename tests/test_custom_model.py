@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from meshpar import config as config_lib
 from meshpar import generate, models, train
+from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

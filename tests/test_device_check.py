@@ -110,8 +110,9 @@ def _write_sections(results: pathlib.Path) -> None:
 
 
 def test_the_report_sets_the_time_models_prediction_beside_each_measurement(tmp_path):
-    from meshpar import config
-    from meshpar.plan import cost, feed_time, topology
+    from meshpar.configuration import config
+    from meshpar.plan import cost, topology
+    from meshpar.plan.time import feed_time
 
     _write_sections(tmp_path)
     (tmp_path / "sections.tsv").write_text("device\t0\t9\t40\na_feed\t0\t21\t45\n")
@@ -295,7 +296,7 @@ def test_train_plan_and_compare_feeding_start_without_orbax_tfds_tensorboardx_an
         return subprocess.run([sys.executable, *args], cwd=ROOT, env=bare, capture_output=True, text=True, timeout=300)
 
     # The environment really hides them (else this test would prove nothing).
-    probe = run("-c", "import importlib.util as u, meshpar.checkpoint, meshpar.train, meshpar.compare_feeding, input_pipeline.tfds_source, sys; "
+    probe = run("-c", "import importlib.util as u, meshpar.checkpoints.checkpoint, meshpar.train, meshpar.compare_feeding, input_pipeline.tfds_source, sys; "
                       f"print([u.find_spec(m) for m in {OPTIONAL!r}], sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))")  # fmt: skip  # noqa: E501
     assert probe.returncode == 0 and probe.stdout.strip() == f"{[None] * len(OPTIONAL)} []", probe.stderr
     small = [

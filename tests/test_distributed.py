@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from meshpar import liveness, rundir
+from meshpar.checkpoints import rundir
+from meshpar.processes import liveness
 from tests.test_multihost import CONFIG, REPO, finish, free_port, launch, wait_until
 
 START_FAIL_TIMEOUT = 3  # distributed.initialization_timeout of the start-up failure tests

@@ -8,9 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, loop, parts, train
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
+from meshpar import train
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.run import aot, experiment, loop, parts
+from meshpar.run.metrics import read_jsonl
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.yaml"))
 SHORT = ["train.steps=2", "train.log_every=1", "train.eval_batches=1", "train.progress=false"]
@@ -87,7 +89,7 @@ def test_does_not_fit_is_refused_and_split_as_its_header_says(tmp_path):
 
 
 def test_throughput_figures_are_consistent(tmp_path):
-    # Two clocks (meshpar.loop): the plain figures come from the loop's wall time per step,
+    # Two clocks (meshpar.run.loop): the plain figures come from the loop's wall time per step,
     # the step_-prefixed ones from the step time (dispatch → loss on the host).
     cfg = config.load("experiments/quickstart.yaml", [*SHORT, "train.steps=4", f"workdir={tmp_path}"])
     exp = experiment.build(cfg)

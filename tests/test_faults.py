@@ -18,8 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, experiment, loop, stop
-from meshpar.checkpoint import Checkpointer
+from meshpar.checkpoints.checkpoint import Checkpointer
+from meshpar.configuration import config
+from meshpar.processes import stop
+from meshpar.run import experiment, loop
 from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,7 +214,7 @@ def test_stop_signal_after_the_save_call_still_saves(tmp_path, monkeypatch):
     with pytest.raises(stop.Interrupted) as stopped:
         loop.train(exp)
     # The flag set during step 10's eval rides into step 11, whose results are read a step late
-    # (meshpar.loop), once step 12 has taken its state: every process stops at 12 and saves it.
+    # (meshpar.run.loop), once step 12 has taken its state: every process stops at 12 and saves it.
     assert stopped.value.step == 12 and stopped.value.saved
     assert 12 in exp.checkpointer.steps(), (
         f"'checkpoint saved at step 12', yet the checkpoints are {exp.checkpointer.steps()}"

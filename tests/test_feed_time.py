@@ -13,10 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder
-from meshpar import config as config_lib
-from meshpar import inputs
-from meshpar.mesh import build_mesh
-from meshpar.plan import cost, feed_time, topology
+from meshpar.configuration import config as config_lib
+from meshpar.plan import cost, topology
+from meshpar.plan.time import feed_time
+from meshpar.run import inputs
+from meshpar.sharding.mesh import build_mesh
 
 MIB = 1 << 20
 

@@ -12,7 +12,7 @@ from input_pipeline.batching import HostLoader
 from input_pipeline.errors import DataError
 from input_pipeline.feeding import DirectFeeder, LiveBytes, RoutedFeeder, process_rows
 from input_pipeline.synthetic import SyntheticSource
-from meshpar.mesh import build_mesh
+from meshpar.sharding.mesh import build_mesh
 
 
 def _batch(rows=64):

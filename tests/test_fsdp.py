@@ -10,13 +10,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshpar import aot, config, experiment, loop, parts, stop, trainer
-from meshpar.config import ConfigError
-from meshpar.inputs import make_source
-from meshpar.layout import Layout, LayoutError, format_rules, parse_rules
-from meshpar.mesh import build_mesh
-from meshpar.metrics import read_jsonl
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.models import decoder, transformer
+from meshpar.processes import stop
+from meshpar.run import aot, experiment, loop, parts, trainer
+from meshpar.run.inputs import make_source
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding.layout import Layout, LayoutError, format_rules, parse_rules
+from meshpar.sharding.mesh import build_mesh
 
 SIZES = {"replica": 2, "data": 2, "model": 2}
 MODEL_PARALLEL = "d_ff:model; heads:model; vocab:model"

@@ -1,4 +1,4 @@
-"""Generation (meshpar.decoding, python -m meshpar.generate): the key/value cache against the full
+"""Generation (meshpar.run.decoding, python -m meshpar.generate): the key/value cache against the full
 forward pass, greedy parity with transformers' ``generate`` on a briefly trained Llama
 (tests/fixtures/hf/trained, made by scripts/make_hf_fixture.py), the same continuation under
 different layouts, sampling, and the one-line failures."""
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshpar import decoding, generate
+from meshpar import generate
 from meshpar import train as train_cli
 from meshpar.models import llama, transformer
+from meshpar.run import decoding
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -14,7 +14,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from meshpar import config
+from meshpar.configuration import config
 from meshpar.models import attention
 from tests.support import script
 

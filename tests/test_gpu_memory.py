@@ -1,4 +1,4 @@
-"""The analytic memory model (meshpar.plan.memory) against XLA:GPU's compiled train step: the step
+"""The analytic memory model (meshpar.plan.memory.analytic) against XLA:GPU's compiled train step: the step
 compiled deviceless for an H100 machine's GPUs (meshpar.plan.gpu_target), under both of XLA:GPU's
 GEMM lowerings. Needs the gpu-plan extra (XLA's GPU compiler); skipped without it."""
 
@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshpar import aot, config, jax_compat, parts
-from meshpar.plan import gemm, gpu_target, memory, topology
+from meshpar import jax_compat
+from meshpar.configuration import config
+from meshpar.plan import gpu_target, topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.time import gemm
+from meshpar.run import aot, parts
 
 pytestmark = pytest.mark.gpu_target
 

@@ -11,8 +11,11 @@ import re
 
 import pytest
 
-from meshpar import config, models, parts
-from meshpar.plan import hlo, timing, topology
+from meshpar import models
+from meshpar.configuration import config
+from meshpar.plan import hlo, topology
+from meshpar.plan.time import timing
+from meshpar.run import parts
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "gpu_hlo"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

@@ -17,12 +17,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from meshpar import config, parts
-from meshpar import layout as layout_lib
-from meshpar.config import ConfigError
-from meshpar.errors import CheckpointError
-from meshpar.hf import config as hf_config
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import export, load, names, reader, writer
+from meshpar.hf import model_config as hf_config
+from meshpar.run import parts
+from meshpar.sharding import layout as layout_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 LENGTH = 16

@@ -1,6 +1,6 @@
 """Hybrid sharding: FSDP within a node and data parallel across nodes (``mesh: data:N,fsdp:M``,
 ``layout: batch:(data,fsdp)``, ``param_layout: embed:fsdp``). Each weight's gradient is reduced
-straight into its own split (:func:`meshpar.layout.use`): reduced over fsdp, and only that shard
+straight into its own split (:func:`meshpar.sharding.layout.use`): reduced over fsdp, and only that shard
 over data, never the whole gradient all-reduced over both axes (the slow link between nodes
 included). It trains as the plain data-parallel layout does."""
 
@@ -10,8 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, experiment, parts, stop
-from meshpar.plan import gpu_target, timing, topology
+from meshpar.configuration import config
+from meshpar.plan import gpu_target, topology
+from meshpar.plan.time import timing
+from meshpar.processes import stop
+from meshpar.run import experiment, parts
 
 # A small byte-level Transformer, its batch over (data, fsdp): 2 "nodes" of 4 devices each.
 TINY = [

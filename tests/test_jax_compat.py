@@ -21,8 +21,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from input_pipeline import grain_compat
-from meshpar import aot, jax_compat
+from meshpar import jax_compat
 from meshpar.plan import gpu_target, topology
+from meshpar.run import aot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ print("ok")
 
 
 def test_coordination_client_is_the_key_value_store_jax_distributed_made(env):
-    # What meshpar.distributed uses of it: overwritten heartbeats, one read of a folder of
+    # What meshpar.processes.distributed uses of it: overwritten heartbeats, one read of a folder of
     # keys, blocking reads, and a timeout told by its duration (not by jax's message).
     out = subprocess.run([sys.executable, "-c", _CLIENT], check=False, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)  # fmt: skip
@@ -112,7 +113,7 @@ def test_the_public_apis_that_replaced_the_fallbacks_are_here():
                                   out_specs=PartitionSpec("devices")))  # fmt: skip
     x = jax.device_put(np.arange(8, dtype=np.float32), split)
     assert np.asarray(total(x)).tolist() == [28.0] * 8
-    # ArgInfo.shape/.dtype and Compiled.out_info (meshpar.aot's host-memory bytes)
+    # ArgInfo.shape/.dtype and Compiled.out_info (meshpar.run.aot's host-memory bytes)
     compiled = (
         jax.jit(lambda a, b: a @ b, donate_argnums=0)
         .lower(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=split), jax.ShapeDtypeStruct((4, 2), jnp.bfloat16))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from meshpar import jaxprs, offload
+from meshpar import jaxprs
+from meshpar.sharding import offload
 
 REPO = Path(__file__).resolve().parents[1]
 X = jax.ShapeDtypeStruct((8, 4), jnp.float32)

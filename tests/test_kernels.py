@@ -1,5 +1,5 @@
-"""The GPU time model's components (meshpar.plan.kernels) and how the step is scheduled from
-them (meshpar.plan.timing): GEMMs by shape, measured collective curves, async collectives hidden
+"""The GPU time model's components (meshpar.plan.time.kernels) and how the step is scheduled from
+them (meshpar.plan.time.timing): GEMMs by shape, measured collective curves, async collectives hidden
 behind the compute scheduled beside them, and one-line errors for a malformed topology."""
 
 import dataclasses
@@ -9,8 +9,9 @@ import pathlib
 import pytest
 import yaml
 
-from meshpar.config import ConfigError
-from meshpar.plan import hlo, kernels, timing, topology
+from meshpar.configuration.config import ConfigError
+from meshpar.plan import hlo, topology
+from meshpar.plan.time import kernels, timing
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "gpu_hlo"
 

@@ -1,4 +1,4 @@
-"""meshpar.layout: rules, PartitionSpecs, one-line errors, constrain, and a sharded MLP init."""
+"""meshpar.sharding.layout: rules, PartitionSpecs, one-line errors, constrain, and a sharded MLP init."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshpar import layout as layout_lib
-from meshpar import tracing
-from meshpar.layout import Layout, LayoutError, activate, constrain, parse_rules
-from meshpar.mesh import build_mesh
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import tracing
+from meshpar.sharding.layout import Layout, LayoutError, activate, constrain, parse_rules
+from meshpar.sharding.mesh import build_mesh
 
 SIZES = {"data": 4, "model": 2}
 
@@ -361,9 +361,9 @@ class _Initialised:
 def mlp_experiment():
     """The MLP's train state after sharded initialisation, wired as ``meshpar.train.build`` does
     (config → mesh → layout → check_params → init_state), without the input pipeline."""
-    from meshpar import config as config_lib
-    from meshpar import trainer
+    from meshpar.configuration import config as config_lib
     from meshpar.models import MODELS
+    from meshpar.run import trainer
 
     cfg = config_lib.from_dict(
         {"mesh": "data:4,model:2", "layout": "batch:data; hidden:model", "model": {"name": "mlp", "hidden": [64, 32]}}
@@ -430,9 +430,9 @@ def test_mlp_other_params_follow_their_dims(mlp_experiment):
 
 
 def test_check_params_names_the_parameter():
-    from meshpar import trainer
     from meshpar.models import MODELS
     from meshpar.models.mlp import MLPConfig
+    from meshpar.run import trainer
 
     lay = Layout.create("batch:data; hidden:model", SIZES)
     build_model = functools.partial(MODELS["mlp"].build, MLPConfig(hidden=(101,)), {"inputs": ((784,), np.float32)})

@@ -1,4 +1,4 @@
-"""meshpar.liveness: the heartbeat goes on while the process is busy in XLA, and process 0's
+"""meshpar.processes.liveness: the heartbeat goes on while the process is busy in XLA, and process 0's
 rule names a silent process, never one that beats, finished, or was held up together with it.
 (The whole path, a SIGKILLed process and its survivor's line: tests/test_distributed.py.)"""
 
@@ -8,7 +8,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshpar import liveness
+from meshpar.processes import liveness
 
 
 class Store:

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshpar import config as config_lib
-from meshpar import experiment, loop, parts, trainer
-from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
-from meshpar.config import ConfigError
-from meshpar.inputs import batch_shardings
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError
 from meshpar.models import MODELS
 from meshpar.models.llama import LlamaConfig, build, flops_per_token, layout_rules, num_params
 from meshpar.plan import __main__ as plan_cli
+from meshpar.run import experiment, loop, parts, trainer
+from meshpar.run.inputs import batch_shardings
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
 
 VOCAB = {"batch", "length", "embed", "heads", "kv_heads", "kv", "d_ff", "vocab", "layers"}
 LENGTH, BATCH, V = 32, 8, 256

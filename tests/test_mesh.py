@@ -1,4 +1,4 @@
-"""meshpar.mesh: parsing ``"data:4,model:2"``, filling ``-1``, building the mesh on the 8 test CPUs."""
+"""meshpar.sharding.mesh: parsing ``"data:4,model:2"``, filling ``-1``, building the mesh on the 8 test CPUs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from meshpar import mesh as mesh_lib
-from meshpar.mesh import MeshError, build_mesh, describe, parse_mesh, resolve
+from meshpar.sharding import mesh as mesh_lib
+from meshpar.sharding.mesh import MeshError, build_mesh, describe, parse_mesh, resolve
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:

@@ -6,9 +6,12 @@ import re
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, parts, stop, trainer
-from meshpar.config import ConfigError
-from meshpar.plan import timing, topology
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.plan import topology
+from meshpar.plan.time import timing
+from meshpar.processes import stop
+from meshpar.run import aot, experiment, parts, trainer
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
 TINY = [

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshpar import aot, experiment, loop, parts, train
-from meshpar import config as config_lib
-from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
-from meshpar.metrics import read_jsonl
+from meshpar import train
+from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
+from meshpar.run import aot, experiment, loop, parts
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
 
 # mesh_tensorflow/transformer utils.run's (and T5's MtfModel's) default layout_rules.
 MTF_DEFAULT = "ensemble:ensemble,batch:batch,d_ff:model,heads:model,vocab:model,experts:batch"

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshpar import config, train
-from meshpar.metrics import read_jsonl
+from meshpar import train
+from meshpar.configuration import config
+from meshpar.run.metrics import read_jsonl
 from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,9 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, errors, experiment, loop, offload, parts, stop, trainer
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
+from meshpar.configuration import config, errors
+from meshpar.configuration.config import ConfigError
+from meshpar.processes import stop
+from meshpar.run import experiment, loop, parts, trainer
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding import offload
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
 TINY = (
@@ -85,7 +88,7 @@ def test_optimizer_and_param_offload_train_bit_identically_with_state_in_pinned_
     settings = [BOTH] if extra else [("offload.optimizer=true",), ("offload.params=true",)]
     if "train.microbatches=2" in extra:
         # Offloaded parameters keep the reduction of each microbatch's gradients (jax cannot move
-        # host arrays in the partially manual region that reduces once: meshpar.trainer.reduced_once);
+        # host arrays in the partially manual region that reduces once: meshpar.run.trainer.reduced_once);
         # that is the same training to float reassociation, and bit for bit the program offload changes.
         once = reference
         reference, _ = _steps(base, (*extra, "plan.check=false"), reduce_each=True)

@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 import yaml
 
-from meshpar import config as config_lib
-from meshpar import models, parts, throughput, train
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
+from meshpar import models, train
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError
 from meshpar.models import Family, Traits, decoder, llama, mlp, transformer
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import candidates, memory, search, topology
+from meshpar.plan import topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.search import candidates
+from meshpar.plan.search import layouts as search
+from meshpar.run import parts, throughput
+from meshpar.run.metrics import read_jsonl
 
 NAME = "tests.test_outside_family:FAMILY"  # imported from the working directory, the repository root
 

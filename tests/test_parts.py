@@ -1,13 +1,13 @@
-"""meshpar.parts: the one builder of a config's parts, over this host's devices or given ones."""
+"""meshpar.run.parts: the one builder of a config's parts, over this host's devices or given ones."""
 
 import re
 
 import jax
 import pytest
 
-from meshpar import config as config_lib
-from meshpar import experiment, parts
-from meshpar.config import ConfigError
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError
+from meshpar.run import experiment, parts
 
 TINY = {
     "mesh": "data:2,model:2",

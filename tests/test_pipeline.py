@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a stage axis (meshpar.pipeline): the pipelined stack computes the
+"""Pipeline parallelism over a stage axis (meshpar.sharding.stages): the pipelined stack computes the
 sequential one's loss and gradients, the compiled step passes activations between stages
 instead of gathering weights, training follows the layout without a stage axis in both feed
 modes, checkpoints move between pipelined and non-pipelined layouts both ways, and bad settings
@@ -16,12 +16,16 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshpar import config, layout, parts, pipeline, tracing, train
-from meshpar.config import ConfigError
-from meshpar.mesh import build_mesh
-from meshpar.metrics import read_jsonl
+from meshpar import train
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.models import llama, transformer
-from meshpar.plan import timing
+from meshpar.plan.time import timing
+from meshpar.run import parts
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding import layout, tracing
+from meshpar.sharding import stages as pipeline
+from meshpar.sharding.mesh import build_mesh
 from tests.support import script
 
 kr = script("train_runs")  # the run helpers scripts/kill_resume.py uses: a final state read back

@@ -8,11 +8,11 @@ import jax
 import pytest
 import yaml
 
-from meshpar import aot
-from meshpar import config as config_lib
-from meshpar import mesh as mesh_lib
+from meshpar.configuration import config as config_lib
 from meshpar.plan import cost
 from meshpar.plan import report as report_lib
+from meshpar.run import aot
+from meshpar.sharding import mesh as mesh_lib
 
 TINY = """
 mesh: data:4,model:2

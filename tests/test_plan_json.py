@@ -5,10 +5,10 @@ import json
 
 import yaml
 
-from meshpar import config as config_lib
+from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import search as search_lib
 from meshpar.plan import topology
+from meshpar.plan.search import layouts as search_lib
 
 # Every field path of `python -m meshpar.plan --topology NAME --json` ("[]": each list item).
 PLAN_FIELDS = """

@@ -1,4 +1,4 @@
-"""The analytic per-device memory model (meshpar.plan.memory)."""
+"""The analytic per-device memory model (meshpar.plan.memory.analytic)."""
 
 import subprocess
 import sys
@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshpar import aot, config, experiment, parts
+from meshpar.configuration import config
 from meshpar.jax_compat import saved_residuals
-from meshpar.plan import gathers, gemm, gradients, memory, residuals
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import gathers, gradients, residuals
+from meshpar.plan.time import gemm
+from meshpar.run import aot, experiment, parts
 
 TINY_TRANSFORMER = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -333,7 +336,7 @@ def test_residuals_die_in_reverse_order_as_the_gradients_are_produced(overrides)
 
 
 def test_an_update_holds_what_it_shares_with_the_gradient_norm():
-    from meshpar import trainer
+    from meshpar.run import trainer
 
     def copies(name):
         cfg = config.load("experiments/mlp_data_parallel.yaml", [f"optimizer.name={name}"])

@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 import yaml
 
-from meshpar import aot, config, experiment, jaxprs, loop, parts
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
+from meshpar import jaxprs
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import candidates, cost, memory, offload_cost, offload_plan, preflight, topology
+from meshpar.plan import cost, preflight, topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.out_of_core import offload_cost, offload_plan
+from meshpar.plan.search import candidates
+from meshpar.run import aot, experiment, loop, parts
+from meshpar.run.metrics import read_jsonl
 
 QUICKSTART = "experiments/quickstart.yaml"
 OFFLOAD = pathlib.Path("experiments/offload.yaml")

@@ -6,8 +6,14 @@ import pathlib
 import pytest
 import yaml
 
-from meshpar import aot, config, jaxprs, parts
-from meshpar.plan import candidates, cost, gpu_target, memory, search, stages, topology
+from meshpar import jaxprs
+from meshpar.configuration import config
+from meshpar.plan import cost, gpu_target, topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import stage_axis as stages
+from meshpar.plan.search import candidates
+from meshpar.plan.search import layouts as search
+from meshpar.run import aot, parts
 
 CONFIG = "experiments/transformer_pipeline.yaml"
 SMALL = ["train.progress=false", "model.d_model=64", "model.n_heads=2", "model.d_head=32", "model.d_ff=128",

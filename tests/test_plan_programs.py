@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from input_pipeline.feeding import RoutedFeeder
-from meshpar import config, parts
+from meshpar.configuration import config
 from meshpar.plan import programs
 from meshpar.plan import report as report_lib
+from meshpar.run import parts
 
 TINY = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",

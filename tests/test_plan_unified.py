@@ -9,10 +9,13 @@ import json
 
 import pytest
 
-from meshpar import config, parts
-from meshpar.config import ConfigError
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import cost, offload_cost, out_of_core, report, topology, unified
+from meshpar.plan import cost, report, topology
+from meshpar.plan.out_of_core import comparison as out_of_core
+from meshpar.plan.out_of_core import offload_cost, unified
+from meshpar.run import parts
 
 QUICKSTART = "experiments/quickstart.yaml"
 MIB = 1 << 20
@@ -210,7 +213,7 @@ def test_out_of_core_batch_sizes_are_checked():
 def test_the_search_charges_paging_to_layouts_beyond_the_device():
     # The quickstart's layouts on a 15 MiB device, 8x oversubscribed: those needing more than the
     # device's own memory fit the allocator, and page.
-    from meshpar.plan import search as search_lib
+    from meshpar.plan.search import layouts as search_lib
 
     cfg = config.load(QUICKSTART, ["hardware.memory_gib=0.015", *UM])
     result = search_lib.search(cfg, topology.load("h100-sxm-8"), 8, 0)

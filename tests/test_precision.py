@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshpar import config, stop, throughput, trainer
-from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
-from meshpar.config import ConfigError, OptimizerConfig
-from meshpar.inputs import batch_shardings
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError, OptimizerConfig
 from meshpar.models import mlp, transformer
+from meshpar.processes import stop
+from meshpar.run import throughput, trainer
+from meshpar.run.inputs import batch_shardings
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
 
 BATCH, LENGTH = 8, 16
 FAMILIES = {

@@ -15,9 +15,10 @@ from input_pipeline.batching import HostLoader
 from input_pipeline.feeding import FEEDERS, DirectFeeder, RoutedFeeder
 from input_pipeline.prefetch import Prefetcher
 from input_pipeline.synthetic import SyntheticSource
-from meshpar import config, train
-from meshpar.mesh import build_mesh
-from meshpar.metrics import read_jsonl
+from meshpar import train
+from meshpar.configuration import config
+from meshpar.run.metrics import read_jsonl
+from meshpar.sharding.mesh import build_mesh
 
 
 def _threads():

@@ -10,10 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, experiment, loop, train
-from meshpar.config import ConfigError
-from meshpar.metrics import read_jsonl
-from meshpar.plan import candidates, cost, report
+from meshpar import train
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError
+from meshpar.plan import cost, report
+from meshpar.plan.search import candidates
+from meshpar.run import experiment, loop
+from meshpar.run.metrics import read_jsonl
 
 # An MLP whose parameters and Adam moments (about 1.1 MiB per device when replicated over
 # data:8) overflow a device planned at 1 MiB: split 8 ways they fit.
@@ -140,7 +143,7 @@ def test_a_resumed_state_runs_on_the_compiled_step(tmp_path, lowerings):
 def test_fsdp_dims_cover_every_weight_once_along_its_embed_like_dim():
     def params(cfg_path, *overrides):
         cfg = config.load(cfg_path, list(overrides))
-        from meshpar import parts
+        from meshpar.run import parts
 
         return candidates.param_dims(parts.abstract_step(cfg).plan.abstract.params)
 
@@ -181,7 +184,7 @@ def test_xla_figures_that_do_not_fit_are_refused_after_the_compile(tmp_path, low
 
 
 def test_fsdp_takes_the_familys_dims_and_never_a_second_dim_on_an_axis():
-    from meshpar import parts
+    from meshpar.run import parts
 
     cfg = config.load("experiments/transformer_fsdp.yaml", ["data.max_bytes=100000"])
     step = parts.abstract_step(cfg)

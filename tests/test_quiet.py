@@ -1,4 +1,4 @@
-"""meshpar.quiet: jax's CUDA plugin says nothing on a host without a GPU. The filter and the
+"""meshpar.run.quiet: jax's CUDA plugin says nothing on a host without a GPU. The filter and the
 decision as pure functions; the fd-2 capture on real writes; jax's plugins load without starting a
 backend (jax.distributed can still follow); and, where the gpu-plan extra is installed, meshpar's
 commands print nothing but their own words."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshpar import quiet
+from meshpar.run import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_the_capture_replays_what_is_not_noise_after_the_block_even_when_it_rais
 # before one) still works after it, and after importing meshpar, on every supported jax.
 _PLUGINS_THEN_DISTRIBUTED = """
 import socket
-import meshpar.mesh, jax
+import meshpar.sharding.mesh, jax
 from meshpar import jax_compat
 jax_compat.load_jax_plugins()
 jax_compat.load_jax_plugins()  # a second time: nothing
@@ -134,7 +134,7 @@ def test_a_config_mistake_is_one_line_on_stderr_with_the_cuda_plugin_installed(e
 @pytest.mark.usefixtures("no_driver")
 @pytest.mark.parametrize("platforms", [None, "cpu"])
 def test_importing_meshpar_and_starting_jax_prints_nothing_with_the_cuda_plugin_installed(env, platforms):
-    code = "import os, meshpar.mesh, jax; print(jax.devices()[0].platform, os.environ['JAX_PLATFORMS'])"
+    code = "import os, meshpar.sharding.mesh, jax; print(jax.devices()[0].platform, os.environ['JAX_PLATFORMS'])"
     out = _run(env, "-c", code, platforms=platforms)
     assert out.returncode == 0 and out.stdout.split() == ["cpu", "cpu"], out.stderr[-3000:]
     assert out.stderr == ""
@@ -156,6 +156,8 @@ def test_a_platform_the_user_named_is_kept_and_what_jax_says_about_it_is_not_swa
 def test_jax_imported_before_meshpar_still_falls_back_to_the_cpu_without_a_traceback(env):
     # jax has read JAX_PLATFORMS at its own import (whose noise came before meshpar could act):
     # meshpar sets jax's config instead, so the backend's start is quiet.
-    out = _run(env, "-c", "import jax, meshpar.mesh; print(jax.config.jax_platforms, jax.devices()[0].platform)")
+    out = _run(
+        env, "-c", "import jax, meshpar.sharding.mesh; print(jax.config.jax_platforms, jax.devices()[0].platform)"
+    )
     assert out.returncode == 0 and out.stdout.split() == ["cpu", "cpu"], out.stderr[-3000:]
     assert "Jax plugin configuration error" not in out.stderr, out.stderr[-3000:]

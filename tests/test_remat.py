@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshpar import layout as layout_lib
-from meshpar import mesh as mesh_lib
-from meshpar import stop, trainer
-from meshpar.config import OptimizerConfig
-from meshpar.inputs import batch_shardings
+from meshpar.configuration.config import OptimizerConfig
 from meshpar.models import decoder, mlp, remat, transformer
+from meshpar.processes import stop
+from meshpar.run import trainer
+from meshpar.run.inputs import batch_shardings
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
 
 LENGTH, BATCH, STEPS = 32, 8, 3
 LM_SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}  # byte windows, as the text source serves them

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, experiment, loop
-from meshpar.metrics import read_jsonl
+from meshpar.configuration import config
+from meshpar.run import experiment, loop
+from meshpar.run.metrics import read_jsonl
 
 
 def _cfg(workdir, **over):

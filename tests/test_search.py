@@ -1,14 +1,16 @@
-"""The layout search (meshpar.plan.search): what it enumerates, drops and writes."""
+"""The layout search (meshpar.plan.search.layouts): what it enumerates, drops and writes."""
 
 import pytest
 import yaml
 
-from meshpar import config as config_lib
-from meshpar import experiment
-from meshpar import layout as layout_lib
+from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
-from meshpar.plan import memory, search_report, topology
-from meshpar.plan import search as search_lib
+from meshpar.plan import topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.search import layouts as search_lib
+from meshpar.plan.search import search_report
+from meshpar.run import experiment
+from meshpar.sharding import layout as layout_lib
 
 # Batch 6 and hidden 6 do not divide 4 ways, only 2: the traps the legality checks must catch.
 SMALL = {
@@ -130,9 +132,9 @@ def test_the_family_says_what_a_model_split_costs():
 
 
 def test_layer_flops_are_the_traced_layers():
-    from meshpar import parts
     from meshpar.models import MODELS
-    from meshpar.plan import offload_plan
+    from meshpar.plan.out_of_core import offload_plan
+    from meshpar.run import parts
 
     cfg = config_lib.load("experiments/transformer_data_parallel.yaml", ["model.attention=xla"])
     step = parts.abstract_step(cfg)
@@ -171,8 +173,9 @@ def test_the_estimates_kernels_are_a_lower_bound_on_the_gpu_programs(microbatche
     # The estimate's launches (the matmuls and reductions of jax.grad of the model's loss, once per
     # pass) against the kernels XLA:GPU's program of the same step launches (deviceless): never
     # more, and as many more again with each further pass; remat's recomputed forward adds matmuls.
-    from meshpar import parts
-    from meshpar.plan import gpu_target, timing
+    from meshpar.plan import gpu_target
+    from meshpar.plan.time import timing
+    from meshpar.run import parts
 
     cfg = config_lib.load("experiments/quickstart.yaml", [f"train.microbatches={microbatches}"])
     topo = topology.load("h100-sxm-8")

@@ -9,8 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from meshpar import config, inputs, loop, parts, sources, train
-from meshpar.config import ConfigError, DataConfig
+from meshpar import sources, train
+from meshpar.configuration import config
+from meshpar.configuration.config import ConfigError, DataConfig
+from meshpar.run import inputs, loop, parts
 from meshpar.sources import Source
 
 BUILT_IN = ("synthetic", "tfds", "text", "tfds_text", "tokens")

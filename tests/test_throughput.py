@@ -5,10 +5,10 @@ import dataclasses
 import jax
 import pytest
 
-from meshpar import throughput
-from meshpar.mesh import build_mesh
 from meshpar.models.mlp import MLPConfig
 from meshpar.models.transformer import TransformerConfig
+from meshpar.run import throughput
+from meshpar.sharding.mesh import build_mesh
 
 
 @dataclasses.dataclass

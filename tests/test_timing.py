@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshpar import aot, config, parts
-from meshpar.plan import timing, topology
+from meshpar.configuration import config
+from meshpar.plan import topology
+from meshpar.plan.time import timing
+from meshpar.run import aot, parts
 
 # A transformer small enough to compile in about a second.
 TINY = (

@@ -19,9 +19,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
 from input_pipeline.text import SEPARATOR, TextSource, from_tfds, tokenize_bytes
-from meshpar import config as config_lib
-from meshpar import inputs, parts
-from meshpar.config import ConfigError
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError
+from meshpar.run import inputs, parts
 from meshpar.sources import text as text_source
 
 try:  # works whether or not tests/ is a package on sys.path

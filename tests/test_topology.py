@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from meshpar.config import ConfigError
+from meshpar.configuration.config import ConfigError
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import topology
 

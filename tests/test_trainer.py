@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from meshpar import config, errors, experiment, loop
-from meshpar.metrics import read_jsonl
-from meshpar.plan import memory
+from meshpar.configuration import config, errors
+from meshpar.plan.memory import analytic as memory
+from meshpar.run import experiment, loop
+from meshpar.run.metrics import read_jsonl
 
 
 def _cfg(**sections):

@@ -1,4 +1,4 @@
-"""meshpar.unified_memory: the environment offload.unified_memory needs, decided from the config
+"""meshpar.sharding.unified_memory: the environment offload.unified_memory needs, decided from the config
 and an environment passed in; the after-start check; the refusal on a host without a CUDA GPU.
 What the variables do on a GPU is the device check's (scripts/device_check.sh)."""
 
@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from meshpar import config as config_lib
-from meshpar import jax_compat, quiet, unified_memory
-from meshpar.config import ConfigError, OffloadConfig
+from meshpar import jax_compat
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import ConfigError, OffloadConfig
 from meshpar.plan.cost import FRACTION_VARIABLES
+from meshpar.run import quiet
+from meshpar.sharding import unified_memory
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -335,7 +337,7 @@ def test_the_cli_refuses_unified_memory_without_a_cuda_gpu(env, tmp_path, platfo
         pytest.skip("a CUDA driver loads on this host")
     env = dict(env)
     why = "JAX_PLATFORMS=cpu starts jax's cpu backend"
-    if platforms is None:  # jax's choice: cpu without the plugin; with it, meshpar.quiet sets cpu (no driver)
+    if platforms is None:  # jax's choice: cpu without the plugin; with it, meshpar.run.quiet sets cpu (no driver)
         env.pop("JAX_PLATFORMS", None)
         if not quiet.cuda_plugin_installed():
             why = "no jax CUDA plugin is installed (jax[cuda12]): this process runs on cpu"

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshpar.layout import constrain, use
-from meshpar.models import Family, Traits
+from meshpar.models import Family, Traits, constrain, use
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out, for the Llama family (``model.name: llama``).
 
-- :mod:`meshpar.hf.config`: ``config.json`` ↔ :class:`meshpar.models.llama.LlamaConfig`'s
+- :mod:`meshpar.hf.model_config`: ``config.json`` ↔ :class:`meshpar.models.llama.LlamaConfig`'s
   architecture fields (transformers 4 and 5 spellings), and the check that a run's model
   section agrees with a folder's.
 - :mod:`meshpar.hf.reader`, :mod:`meshpar.hf.writer`: safetensors files, read one tensor at a

@@ -1,6 +1,6 @@
 """A Llama's parameters → a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-``config.json`` (over the original's fields where it is known, :func:`meshpar.hf.config.to_hf`),
+``config.json`` (over the original's fields where it is known, :func:`meshpar.hf.model_config.to_hf`),
 the original ``generation_config.json`` where known, the weights in the parameter dtype as
 ``model.safetensors`` (shards and an index above ``max_shard_bytes``), and the tokenizer files
 where known. Each tensor is made when its bytes are written (:mod:`meshpar.hf.writer`), so
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshpar.hf import config as hf_config
 from meshpar.hf import files, names, writer
+from meshpar.hf import model_config as hf_config
 
 
 def entries(model, params: Mapping[str, np.ndarray]) -> list[writer.Entry]:

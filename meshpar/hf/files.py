@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshpar.errors import CheckpointError
+from meshpar.configuration.errors import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 # Hugging Face's name → the name it keeps inside a meshpar run.

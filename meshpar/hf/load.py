@@ -1,7 +1,7 @@
 """A Hugging Face Llama folder → a run's parameters, each straight into its sharding.
 
 :func:`open` checks everything that can be checked without reading a weight — ``config.json``
-against the run's model section (:func:`meshpar.hf.config.check_model`), every tensor's name,
+against the run's model section (:func:`meshpar.hf.model_config.check_model`), every tensor's name,
 shape and dtype kind against what that model has — and fails in one line naming the first
 problem; :meth:`Source.load` then reads each tensor once, converts it to the parameter dtype
 and places it (:mod:`meshpar.hf.place`), and reports what it cost in host memory.
@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from meshpar.errors import CheckpointError
-from meshpar.hf import config as hf_config
+from meshpar.configuration.errors import CheckpointError
+from meshpar.hf import model_config as hf_config
 from meshpar.hf import names, place, reader
 
 

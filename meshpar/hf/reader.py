@@ -8,7 +8,7 @@ count its touched pages in the process's resident memory for as long as it is ma
 read pages stay in the kernel's page cache. A folder holds one ``model.safetensors``, or shards
 listed by ``model.safetensors.index.json`` (``weight_map``: tensor name → file).
 
-Every problem is a :class:`meshpar.errors.CheckpointError` naming the file and, where there is
+Every problem is a :class:`meshpar.configuration.errors.CheckpointError` naming the file and, where there is
 one, the tensor.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from meshpar.errors import CheckpointError
+from meshpar.configuration.errors import CheckpointError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

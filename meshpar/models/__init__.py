@@ -38,8 +38,23 @@ from typing import Any
 
 import numpy as np
 
+from meshpar.configuration.schema import ConfigError, short
 from meshpar.models import decoder, llama, mlp, transformer
-from meshpar.schema import ConfigError, short
+from meshpar.sharding.layout import constrain, use
+
+# What a family written outside meshpar imports (docs/custom-models.md, examples/custom_model):
+# kept stable, whatever moves behind it.
+__all__ = [
+    "ConfigError",
+    "Family",
+    "Traits",
+    "constrain",
+    "conventional_traits",
+    "family",
+    "traits",
+    "use",
+    "with_settings",
+]
 
 
 def _one_per_example(cfg: Any, element_spec: dict) -> int:
@@ -135,13 +150,13 @@ class Family:
 
     * ``config`` — a frozen dataclass, validated from the YAML ``model`` section (unknown keys are
       errors; field types and ``metadata`` ``min``/``max`` bounds are checked by
-      :func:`meshpar.schema.build`; an integer beyond int32 is refused). ``model.name`` is the
+      :func:`meshpar.configuration.schema.build`; an integer beyond int32 is refused). ``model.name`` is the
       family's key: a field ``name`` declared by the dataclass receives it as written (a built-in
       name, or the import path); a dataclass that declares none is given one (``name: str``).
     * ``build(config, element_spec, rngs) -> nnx.Module`` — the model; it has
       ``loss(batch, rngs) -> (scalar loss, dict of scalar metrics)``, names its parameters'
-      dims (``nnx.Param(..., dims=(...))``) and its activations' (:func:`meshpar.layout.constrain`)
-      in logical names only, and places a weight with :func:`meshpar.layout.use` where it is used.
+      dims (``nnx.Param(..., dims=(...))``) and its activations' (:func:`meshpar.sharding.layout.constrain`)
+      in logical names only, and places a weight with :func:`meshpar.sharding.layout.use` where it is used.
     * ``fields`` — the batch fields the model reads (checked against the data before a run).
     * ``flops_per_example(config, element_spec) -> float`` — training FLOPs (forward + backward)
       of one example; None: no model TFLOP/s and no MFU (a run says MFU is unknown), no
@@ -185,7 +200,7 @@ class Family:
     # (config, element spec) → training FLOPs (forward + backward) of one example in each layer
     # of the layer loop; flops_per_example less their sum is the work outside the layers. The
     # search's estimate of a stage axis divides the layers' share over the stages (None: all
-    # the work is divided; meshpar.plan.stages.layer_share); tests check it against the traced FLOPs.
+    # the work is divided; meshpar.plan.memory.stage_axis.layer_share); tests check it against the traced FLOPs.
     layer_flops: Callable[[Any, dict], tuple[float, ...]] | None = None
     # offload.activations → the checkpoint_name tags whose values each layer keeps in host
     # memory under that policy (a policy the family does not list does not apply to it). None:

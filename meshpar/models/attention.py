@@ -18,7 +18,7 @@ fails in a running step):
   so asking for ``cudnn`` always gets attention that does not materialise the scores.
 * ``auto`` (default) — cuDNN where it applies, else ``xla``.
 
-Inside a pipeline stage (:mod:`meshpar.pipeline`) cuDNN's call runs fully manual, on each
+Inside a pipeline stage (:mod:`meshpar.sharding.stages`) cuDNN's call runs fully manual, on each
 device's batch rows and heads (:func:`cudnn`): jax's partitioning rule for it cannot run in a
 stage's partially manual region. There cuDNN also needs the batch to take every mesh axis that
 splits neither batch nor heads; where it cannot, the fallback runs.
@@ -48,9 +48,9 @@ import jax
 import jax.extend.backend
 import jax.numpy as jnp
 
-from meshpar import layout as layout_lib
-from meshpar import pipeline
-from meshpar.layout import constrain
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import stages as pipeline
+from meshpar.sharding.layout import constrain
 
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: exp(NEG - finite) == 0, never NaN
 
@@ -81,9 +81,9 @@ def cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """cuDNN's fused flash attention (``k, v`` with q's heads, or with ``kv_heads`` split as
     ``heads`` is). Its partitioning rule (jax's ``custom_partitioning``) cannot run inside a
     pipeline stage, where the stage axis is manual and the others are left to the partitioner:
-    there the call runs fully manual (:func:`meshpar.pipeline.manual`), on each device's batch
+    there the call runs fully manual (:func:`meshpar.sharding.stages.manual`), on each device's batch
     rows and heads, a mesh axis that splits neither adding to the batch's split; where the
-    batch does not divide (:func:`meshpar.pipeline.manual_problem`) :func:`attention` takes
+    batch does not divide (:func:`meshpar.sharding.stages.manual_problem`) :func:`attention` takes
     the fallback instead."""
     kv_dims = ("batch", None, "heads" if k.shape[2] == q.shape[2] else "kv_heads", None)
 
@@ -130,7 +130,7 @@ def check_block(length: int, block: int) -> str | None:
 def cudnn_problem(shape: tuple[int, ...], dtype: jnp.dtype, platform: str | None = None,
                   compile_only: bool = False) -> str | None:  # fmt: skip
     """Why cuDNN's fused attention cannot run q/k/v of `shape` and `dtype` on `platform` (the
-    one traced for, :func:`meshpar.layout.platform`; default this host's backend), or None if it
+    one traced for, :func:`meshpar.sharding.layout.platform`; default this host's backend), or None if it
     can. A compile-only GPU target (meshpar's are CUDA) is checked by jax's own checks on this
     host: they need cuDNN's library, which a host without a GPU usually lacks, and then say so."""
     platform = platform or jax.default_backend()

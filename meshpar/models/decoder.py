@@ -46,7 +46,7 @@ rotary), ``context`` (attention's output per head), ``attn_out`` (its output pro
 ``mlp_hidden`` (after the activation, ``[batch, length, d_ff]``). Attention's ``[length,
 length]`` scores carry no name, so a policy that keeps only named values never keeps them. Host
 offload of activations (``offload.activations``) is such a policy, set by the train step
-(the trace's ``keep``, :class:`meshpar.tracing.Trace`) in place of ``remat``.
+(the trace's ``keep``, :class:`meshpar.sharding.tracing.Trace`) in place of ``remat``.
 
 Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`).
 """
@@ -63,10 +63,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshpar.layout import constrain, use
 from meshpar.models import attention as attention_lib
 from meshpar.models import kv_cache, layers
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
+from meshpar.sharding.layout import constrain, use
 
 EMBED = ("batch", "length", "embed")
 
@@ -160,7 +160,7 @@ def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_
     dt, eps, dims = DTYPES[cfg.compute_dtype], cfg.norm_eps, block_dims(cfg)
     k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
 
-    def w(name: str, dtype=None) -> jax.Array:  # placed for compute by meshpar.layout.use
+    def w(name: str, dtype=None) -> jax.Array:  # placed for compute by meshpar.sharding.layout.use
         return use(p[name], dims[name], dtype)
 
     heads, kv_heads = ("batch", "length", "heads", "kv"), ("batch", "length", cfg.kv_dim, "kv")

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from meshpar.layout import constrain
 from meshpar.models import attention as attention_lib
+from meshpar.sharding.layout import constrain
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +41,7 @@ class KVCache:
     start: jax.Array  # int32 [batch]: each row's first real slot (left padding before it)
     heads: str = dataclasses.field(default="heads", metadata={"static": True})  # the heads dim's name
     # The positions dim's name: "length", or another a generator lays out apart from the new
-    # tokens' length (meshpar.decoding).
+    # tokens' length (meshpar.run.decoding).
     length: str = dataclasses.field(default="length", metadata={"static": True})
 
     @property

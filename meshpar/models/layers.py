@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from meshpar import layout as layout_lib
-from meshpar import pipeline
-from meshpar.layout import constrain
 from meshpar.models import remat as remat_lib
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import stages as pipeline
+from meshpar.sharding.layout import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -93,7 +93,7 @@ def scan_unroll(cfg) -> int:
     # remat's saving needs the loop: in straight-line layers XLA:CPU keeps (most of) the
     # activations remat would drop (quickstart at 8 layers, remat full: 50 MiB temp unrolled,
     # 18 MiB in the loop; none: 78 MiB unrolled).
-    # A name-based policy set by the step (activation offload: the trace's keep, meshpar.tracing.Trace)
+    # A name-based policy set by the step (activation offload: the trace's keep, meshpar.sharding.tracing.Trace)
     # needs the loop as much.
     remat_on = cfg.remat != "none" or remat_lib.kept() is not None
     if layout_lib.platform() == "cpu" and cfg.n_layers <= UNROLL_LAYERS_CPU and not remat_on:
@@ -109,7 +109,7 @@ def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, k
     under ``cfg.remat``'s ``jax.checkpoint`` policy: the scan body and the unrolled loop run the
     same function, so parameters, checkpoints and results do not depend on the form. Under a
     stage axis (``layers:<axis>`` in the layout) the stack runs as a pipeline of stages
-    (:mod:`meshpar.pipeline`), each stage's layers this same way."""
+    (:mod:`meshpar.sharding.stages`), each stage's layers this same way."""
     sched = pipeline.active()
     if sched is not None:
         return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k), stacked, x, key)

@@ -25,8 +25,8 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshpar.layout import constrain, use
 from meshpar.models import remat as remat_lib
+from meshpar.sharding.layout import constrain, use
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ layers, compiled temp per device: 78 MiB for none, full and dots alike), so on C
 not unrolled by default when ``remat`` is on.
 
 A step may replace ``model.remat``'s policy for the layers it traces with one that picks by
-name (the trace's ``keep``, :class:`meshpar.tracing.Trace`): host offload of activations (``offload.activations``, see
-:mod:`meshpar.offload`) keeps the named values in pinned host memory, and the same names kept
+name (the trace's ``keep``, :class:`meshpar.sharding.tracing.Trace`): host offload of activations (``offload.activations``, see
+:mod:`meshpar.sharding.offload`) keeps the named values in pinned host memory, and the same names kept
 in device memory are its reference. The models never see the setting; like the layout, it is
 read at trace time.
 """
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from meshpar import tracing
+from meshpar.sharding import tracing
 
 # model.remat → the jax.checkpoint policy ("none" → no checkpoint at all).
 POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -46,7 +46,7 @@ POLICIES: dict[str, Callable[..., bool] | None] = {
 
 def kept() -> tuple[tuple[str, ...], str] | None:
     """What every layer keeps for its backward pass in the enclosing trace (names, memory; see
-    :class:`meshpar.tracing.Trace`'s ``keep``), or None: model.remat decides."""
+    :class:`meshpar.sharding.tracing.Trace`'s ``keep``), or None: model.remat decides."""
     return tracing.current().keep
 
 

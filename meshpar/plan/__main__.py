@@ -10,7 +10,7 @@ JSON, and in ``--search``'s).
 ``--topology NAME`` (a shipped machine, see :func:`meshpar.plan.topology.names`, or a YAML
 path) adds the predicted step time on that machine, by term, and the batch placement time.
 With ``--topology`` it also compares host offload with the other ways of freeing device
-memory (:mod:`meshpar.plan.offload_cost`): per offload setting (none, optimizer, params,
+memory (:mod:`meshpar.plan.out_of_core.offload_cost`): per offload setting (none, optimizer, params,
 activations ``layer_outputs`` / ``dots``, and combinations), ``model.remat``, microbatches ×2/×4
 and FSDP ``param_layout``, the predicted device and host memory per device and step time on
 that machine. ``--offload-sweep [B,B,...]`` adds the same comparison at several global batch
@@ -23,12 +23,12 @@ config's mesh and layout on that machine; nothing is compiled.
 way past the device's memory — none, swapping (each offload setting), CUDA Unified Memory
 (alone and with the state swapped), remat, microbatches, FSDP — at each global batch size
 (default: the config's × 1, 4, 16, 64), with device, host and migrated bytes per device and the
-predicted step; ``--layer`` adds one layer's figures (:mod:`meshpar.plan.out_of_core`);
+predicted step; ``--layer`` adds one layer's figures (:mod:`meshpar.plan.out_of_core.comparison`);
 ``--json PATH`` writes them.
 
 ``--search [--topology NAME] [--top K] [--write PATH]`` searches instead every mesh and layout
 of the machine's devices (``cpu-sim`` when no topology is named) for the fastest one that fits
-(:mod:`meshpar.plan.search`): a ranked table with the predicted step time by term and the
+(:mod:`meshpar.plan.search.layouts`): a ranked table with the predicted step time by term and the
 memory per device, the counts (enumerated, legal, fitting, compiled) and the search's time;
 the best `K` (default 5) by an analytic estimate are compiled and ranked by the HLO-based
 model. ``--write PATH`` writes the best one as an experiment YAML that
@@ -51,22 +51,18 @@ import sys
 
 from rich.console import Console
 
-from meshpar import compile_cache, errors, models, parts
-from meshpar import config as config_lib
-from meshpar.config import ConfigError
-from meshpar.plan import (
-    cost,
-    feed_time,
-    gpu_target,
-    offload_cost,
-    out_of_core,
-    search_report,
-    time_report,
-    timing,
-    topology,
-)
+from meshpar import models
+from meshpar.configuration import config as config_lib
+from meshpar.configuration import errors
+from meshpar.configuration.config import ConfigError
+from meshpar.plan import cost, gpu_target, topology
 from meshpar.plan import report as report_lib
-from meshpar.plan import search as search_lib
+from meshpar.plan.out_of_core import comparison as out_of_core
+from meshpar.plan.out_of_core import offload_cost
+from meshpar.plan.search import layouts as search_lib
+from meshpar.plan.search import search_report
+from meshpar.plan.time import feed_time, time_report, timing
+from meshpar.run import compile_cache, parts
 
 
 def _topology(cfg, name: str):
@@ -173,7 +169,7 @@ def _batch_sizes(cfg, text: str) -> list[int]:
 
 def compare_out_of_core(cfg, args) -> int:
     """Print (and write as JSON) every way past the device's memory, per batch size on the
-    named machine (:mod:`meshpar.plan.out_of_core`), and with ``--layer`` one layer's figures."""
+    named machine (:mod:`meshpar.plan.out_of_core.comparison`), and with ``--layer`` one layer's figures."""
     topo = _topology(cfg, args.topology)
     sizes = out_of_core.batch_sizes(cfg, args.batch_sweep or "")
     target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
@@ -207,7 +203,7 @@ def compare_out_of_core(cfg, args) -> int:
 def _offload(cfg, step, topo, sizes: list[int] | None, overlap: bool, reference_s: float, prepared=None,
              skipped=None) -> _Offload:  # fmt: skip
     """The offload comparison on `topo`, with the sweep over `sizes` (global batch sizes) when given;
-    `prepared`, `skipped`: its options planned already (:func:`meshpar.plan.offload_cost.prepare_all`)."""
+    `prepared`, `skipped`: its options planned already (:func:`meshpar.plan.out_of_core.offload_cost.prepare_all`)."""
     if prepared is None:
         skipped = []
         prepared = offload_cost.prepare_all(cfg, step, skipped)

@@ -1,8 +1,8 @@
 """The planner's shared figures, each defined once: device capacity, collective cost, feed time,
 the exposed feed, the batch axes and the batches resident beside a step.
 
-The step-time model (:mod:`meshpar.plan.timing`), the search's analytic ranking
-(:mod:`meshpar.plan.search`), the offload cost (:mod:`meshpar.plan.offload_cost`),
+The step-time model (:mod:`meshpar.plan.time.timing`), the search's analytic ranking
+(:mod:`meshpar.plan.search.layouts`), the offload cost (:mod:`meshpar.plan.out_of_core.offload_cost`),
 compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call these.
 
 **Capacity** (:func:`capacity`): what a plan may use on one device is
@@ -26,7 +26,7 @@ compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call thes
   grows with the size of the buffers, from a 1 GiB CPU share to a 141 GB GPU.
 
 **Collectives** (:func:`collective_seconds`): on a link with a measured NCCL curve
-(``allreduce_us`` in its topology file), from that curve (:mod:`meshpar.plan.kernels`); else a
+(``allreduce_us`` in its topology file), from that curve (:mod:`meshpar.plan.time.kernels`); else a
 ring on n devices sends ``bytes × factor`` per
 device over the link of the mesh axes it spans in ``steps`` sequential steps — all-reduce
 2(n−1)/n over 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n over n−1,
@@ -34,13 +34,13 @@ collective-permute 1 over 1 — so its time is ``bytes × factor / bandwidth + l
 Over several axes at once it runs at the slowest of their links (:func:`axis_link`).
 
 **Feed** (:func:`feed_seconds`): the placement time of one process batch on the machine
-(:mod:`meshpar.plan.feed_time`). With ``feed.prefetch`` ≥ 1 a background thread places the next
+(:mod:`meshpar.plan.time.feed_time`). With ``feed.prefetch`` ≥ 1 a background thread places the next
 batch while the step computes, so only the part longer than the step's compute is exposed
 (:func:`exposed_feed_seconds`); with prefetch 0 all of it is.
 
 **Batches** (:func:`batch_axes`, :func:`resident_batches`): the mesh axes the layout's
 ``batch`` rule names; the batches a device holds outside the step program — ``feed.prefetch``
-placed ahead, and under the lagged loop (:mod:`meshpar.loop`) the one a dispatched step still
+placed ahead, and under the lagged loop (:mod:`meshpar.run.loop`) the one a dispatched step still
 holds while the next is placed.
 """
 
@@ -53,9 +53,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from meshpar import inputs
-from meshpar.config import Config, ConfigError
-from meshpar.plan import feed_time
+from meshpar.configuration.config import Config, ConfigError
+from meshpar.plan.time import feed_time
+from meshpar.run import inputs
 
 GIB = 1 << 30
 HEADROOM_FRACTION = 0.05
@@ -104,7 +104,7 @@ def allocator_fraction(
     that is not a number in (0, 1] is a ConfigError on the variable.
 
     `oversubscription`: the config's under unified memory (``offload.unified_memory``), where a
-    variable set in the environment still wins (:mod:`meshpar.unified_memory`), any number
+    variable set in the environment still wins (:mod:`meshpar.sharding.unified_memory`), any number
     above 0 is allowed, and the allocator takes ``max(1, fraction)`` of the device (XLA's BFC
     allocator under ``TF_FORCE_UNIFIED_MEMORY``)."""
     environ = os.environ if environ is None else environ
@@ -216,7 +216,7 @@ def device_capacity(cfg: Config, mesh) -> Capacity:
     """The capacity of each device of `mesh` in this process, for `cfg`.
 
     A backend that reports no limit on a platform other than CPU, with ``hardware.memory_gib``
-    unset, is a :class:`~meshpar.config.ConfigError` on that key."""
+    unset, is a :class:`~meshpar.configuration.config.ConfigError` on that key."""
     devices = list(mesh.local_devices)
     stats = [d.memory_stats() for d in devices]  # None on CPU (jax 0.10 and 0.12)
     try:
@@ -272,7 +272,7 @@ def axis_link(topo, mesh_shape: Mapping[str, int], axes):
 def collective_seconds(kind: str, nbytes: float, n: int, link, executions: int = 1) -> float:
     """Seconds of `executions` collectives of `kind` moving `nbytes` per device each over `n`
     devices on `link`: from the link's measured NCCL curve where its file gives one
-    (:class:`meshpar.plan.kernels.Curve`), else as a ring (see the module docstring)."""
+    (:class:`meshpar.plan.time.kernels.Curve`), else as a ring (see the module docstring)."""
     if n <= 1:
         return 0.0
     curve = getattr(link, "curve", None)

@@ -1,20 +1,20 @@
 """A run's memory pre-flight (``plan.check``): before anything is allocated, does it fit?
 
-:func:`meshpar.experiment.build` calls it once the mesh, the layout and the state's plan exist
+:func:`meshpar.run.experiment.build` calls it once the mesh, the layout and the state's plan exist
 (shapes and shardings only) and before any state is initialised, restored or placed:
 
-1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory`) against the usable
+1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory.analytic`) against the usable
    bytes of one device (:func:`meshpar.plan.cost.device_capacity`). Nothing is compiled, so a
    layout that cannot fit, however absurd its size, is refused in seconds. For a config out of
-   the model's scope on its platform (:func:`meshpar.plan.memory.out_of_scope`) only the exact
+   the model's scope on its platform (:func:`meshpar.plan.memory.analytic.out_of_scope`) only the exact
    categories (state and batches) are held against the capacity here.
 2. :func:`check_compiled` — the train step compiled ahead of time on abstract arguments
    (:func:`meshpar.plan.report.plan`), refused if XLA's figures (the peak of every program the
    run executes) do not fit. The run then calls that compiled step: it is not compiled twice.
 
-A refusal is a :class:`~meshpar.config.ConfigError` (exit 2, one line) that says what is
+A refusal is a :class:`~meshpar.configuration.config.ConfigError` (exit 2, one line) that says what is
 needed, what is usable and where that figure comes from, the largest category, and the first
-change from a fixed list that fits (:mod:`meshpar.plan.candidates`), or that none does.
+change from a fixed list that fits (:mod:`meshpar.plan.search.candidates`), or that none does.
 
 In a multi-process run every process computes the same analytic figures (they come from shapes
 and shardings alone), takes the smallest capacity of all processes and the largest XLA figure,
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import jax
 
-from meshpar import distributed, parts
-from meshpar.config import Config, ConfigError
-from meshpar.plan import candidates as candidates_lib
-from meshpar.plan import cost, memory
+from meshpar.configuration.config import Config, ConfigError
+from meshpar.plan import cost
 from meshpar.plan import report as report_lib
+from meshpar.plan.memory import analytic as memory
 from meshpar.plan.report import fmt_bytes
+from meshpar.plan.search import candidates as candidates_lib
+from meshpar.processes import distributed
+from meshpar.run import parts
 
 # How long a process waits for the others' figures (they may still be reading their data).
 AGREE_TIMEOUT_S = 600
@@ -40,7 +42,7 @@ CATEGORY_KEYS = {"inputs": "train.batch_size", "relay_inputs": "train.batch_size
 
 
 def _agree(name: str, value, combine):
-    """Every process's pre-flight figure `name`, combined (see :func:`meshpar.distributed.agree`)."""
+    """Every process's pre-flight figure `name`, combined (see :func:`meshpar.processes.distributed.agree`)."""
     return distributed.agree(f"preflight/{name}", value, combine, AGREE_TIMEOUT_S)
 
 
@@ -58,7 +60,7 @@ def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> cost.Capacity:
 
 def in_scope(cfg: Config, step: parts.AbstractStep) -> bool:
     """Whether the analytic model gives a figure for this config on its platform: out of its
-    scope (:func:`meshpar.plan.memory.out_of_scope`) the compiled check alone decides; the
+    scope (:func:`meshpar.plan.memory.analytic.out_of_scope`) the compiled check alone decides; the
     analytic breakdown still names the largest category and sizes the candidates."""
     return memory.out_of_scope(cfg, report_lib.platform(step)) is None
 

@@ -6,16 +6,16 @@ temp − alias of ``memory_analysis()``) plus what is resident outside it at tha
 
 * **train step** — the state and one batch are its arguments; outside it, the batches placed
   ahead (``feed.prefetch``) and the one a dispatched step still holds under the lagged loop
-  (see :mod:`meshpar.loop`; none with ``train.sync_every_step``);
+  (see :mod:`meshpar.run.loop`; none with ``train.sync_every_step``);
 * **eval step** (when ``train.eval_every`` > 0) — its arguments are the parameters and one
   eval batch; the rest of the train state (optimizer state, step, RNG key) stays resident —
   on the device, unless offloaded to host memory — and so do the prefetched train batches.
   The loop waits for the step before it evaluates, so no train batch is in flight;
 * **checkpoint digest** (when the run saves) — the program that digests every state array
-  before a save (:mod:`meshpar.integrity`): the whole state is its argument; its temporaries
+  before a save (:mod:`meshpar.checkpoints.integrity`): the whole state is its argument; its temporaries
   are the arrays' bits. The prefetched train batches stay resident.
 
-XLA's figures are device bytes (:func:`meshpar.aot.memory`): with host offload, the arguments
+XLA's figures are device bytes (:func:`meshpar.run.aot.memory`): with host offload, the arguments
 and outputs in ``pinned_host`` memory are taken out of them — by XLA itself where the backend
 honours memory kinds, else (CPU) from their shardings.
 
@@ -30,9 +30,12 @@ import math
 
 import jax
 
-from meshpar import aot, integrity, offload, parts, trainer
-from meshpar.config import Config
-from meshpar.plan import cost, feed_time
+from meshpar.checkpoints import integrity
+from meshpar.configuration.config import Config
+from meshpar.plan import cost
+from meshpar.plan.time import feed_time
+from meshpar.run import aot, parts, trainer
+from meshpar.sharding import offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Peak:
 
 def relay_bytes(cfg: Config, batch: dict) -> int:
     """Routed feeding: the relay device's copy of the whole process batch and the other slices
-    cut from it while it places them (:func:`meshpar.plan.feed_time.relay_bytes`); 0 in direct
+    cut from it while it places them (:func:`meshpar.plan.time.feed_time.relay_bytes`); 0 in direct
     feeding. `batch`: the global batch, ShapeDtypeStructs with their shardings."""
     processes = cfg.distributed.num_processes
     process_batch = sum(math.prod(b.shape) * b.dtype.itemsize for b in batch.values()) // processes

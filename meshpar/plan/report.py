@@ -12,9 +12,9 @@ analytic categories:
   leaves temp out, so it is not used).
 
 With host offload the device figures leave out what lives in pinned host memory, and a host
-row sets the analytic host column (:mod:`meshpar.plan.memory`) beside XLA's host bytes — XLA's
+row sets the analytic host column (:mod:`meshpar.plan.memory.analytic`) beside XLA's host bytes — XLA's
 own ``host_*`` fields on GPU; on CPU, which reports none, the offloaded state's shard bytes
-(:func:`meshpar.aot.memory`), as the table says.
+(:func:`meshpar.run.aot.memory`), as the table says.
 
 The run executes other programs too (the eval step, the checkpoint digest), each with its own
 peak and with other buffers resident beside it (:mod:`meshpar.plan.programs`). What the plan
@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshpar import aot, parts
-from meshpar import mesh as mesh_lib
-from meshpar.config import Config
-from meshpar.plan import cost, memory
+from meshpar.configuration.config import Config
+from meshpar.plan import cost
 from meshpar.plan import programs as programs_lib
+from meshpar.plan.memory import analytic as memory
+from meshpar.run import aot, parts
+from meshpar.sharding import mesh as mesh_lib
 
 # Analytic categories beside the XLA figure they are part of (see the module docstring).
 GROUPS = (
@@ -41,11 +42,11 @@ GROUPS = (
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A config's plan: mesh, analytic breakdown (None, with the reason, when there is none),
-    XLA's per-device figures (:func:`meshpar.aot.memory`) and the device capacity."""
+    XLA's per-device figures (:func:`meshpar.run.aot.memory`) and the device capacity."""
 
     mesh: str
     devices: str
-    analytic: object | None  # meshpar.plan.memory.Breakdown
+    analytic: object | None  # meshpar.plan.memory.analytic.Breakdown
     analytic_missing: str | None
     xla: dict[str, int]
     capacity: cost.Capacity
@@ -125,7 +126,7 @@ def platform(step: parts.AbstractStep) -> str:
 
 def _analytic(cfg: Config, step: parts.AbstractStep):
     """The analytic breakdown, or None and why: a config out of the model's scope on this
-    platform (:func:`meshpar.plan.memory.out_of_scope`) gets no figure."""
+    platform (:func:`meshpar.plan.memory.analytic.out_of_scope`) gets no figure."""
     reason = memory.out_of_scope(cfg, platform(step))
     if reason:
         return None, f"out of scope: {reason}"
@@ -136,7 +137,7 @@ def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None, cap
     """Compile the config's train step on abstract inputs (nothing is allocated) and set XLA's
     figures beside the analytic model and the device capacity. `step`: the abstract step when
     the caller has built it already (a run's pre-flight), with `analytic` its breakdown when
-    known (:func:`meshpar.plan.memory.analytic`); the compiled step is kept in
+    known (:func:`meshpar.plan.memory.analytic.analytic`); the compiled step is kept in
     ``Report.compiled`` for the run to use instead of compiling it again. `capacity`: the
     device's (:class:`meshpar.plan.cost.Capacity`) when the step's devices cannot say (a
     compile target's: the machine's, :func:`meshpar.plan.cost.machine_capacity`)."""
@@ -220,7 +221,7 @@ def host_rows(t, analytic, xla: dict) -> None:
     """Host offload: the analytic host column and XLA's host figure, below the device total.
     XLA:CPU reports no host bytes (it ignores memory kinds inside a computation), so there the
     figure is the ``pinned_host`` arguments' and outputs' shard bytes, taken out of XLA's
-    device figures above (:func:`meshpar.aot.memory`)."""
+    device figures above (:func:`meshpar.run.aot.memory`)."""
     host = {} if analytic is None else analytic.host
     if not host and not xla.get("host_total_bytes"):
         return

@@ -1,6 +1,6 @@
 """One device's shapes of a config's step: every parameter at its shard in the compute layout,
 and the batch at one device's rows of one microbatch, each dim where the model places it. The
-memory model (:mod:`meshpar.plan.memory`) and the offload plan (:mod:`meshpar.plan.offload_plan`)
+memory model (:mod:`meshpar.plan.memory.analytic`) and the offload plan (:mod:`meshpar.plan.out_of_core.offload_plan`)
 trace the model at these shapes."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshpar import jaxprs, parts
-from meshpar import layout as layout_lib
-from meshpar.config import Config
+from meshpar import jaxprs
+from meshpar.configuration.config import Config
+from meshpar.run import parts
+from meshpar.sharding import layout as layout_lib
 
 
 def platform(step: parts.AbstractStep) -> str:
@@ -25,7 +26,7 @@ def platform(step: parts.AbstractStep) -> str:
 @contextlib.contextmanager
 def on_target(step: parts.AbstractStep) -> Iterator[None]:
     """Within this block a model traced at one device's shapes makes the choices it makes for the
-    step's target (:func:`meshpar.layout.platform`: the layer loop's form, the attention kernel),
+    step's target (:func:`meshpar.sharding.layout.platform`: the layer loop's form, the attention kernel),
     not this host's: one device of the step's mesh is active, under a layout that splits
     nothing, so every constraint is a relabelling and the shapes stay one device's."""
     one = jax.sharding.Mesh(np.asarray(step.mesh.devices.flat[:1]), ("device",))

@@ -27,10 +27,10 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder
-from meshpar.config import ConfigError
+from meshpar.configuration.config import ConfigError
+from meshpar.configuration.schema import parse_yaml
 from meshpar.plan import cost
-from meshpar.plan import kernels as kernels_lib
-from meshpar.schema import parse_yaml
+from meshpar.plan.time import kernels as kernels_lib
 
 DIR = pathlib.Path(__file__).parent / "topologies"
 CPU_SIM = "cpu-sim"
@@ -56,7 +56,7 @@ class Link:
     latency: float = 0.0  # s per transfer / per collective step
     kind: str = "pcie"  # one of LINK_KINDS
     # NCCL's measured all-reduce times over this link (its file's ``allreduce_us``), which price
-    # its collectives (meshpar.plan.kernels); None: the ring model from bandwidth and latency.
+    # its collectives (meshpar.plan.time.kernels); None: the ring model from bandwidth and latency.
     curve: kernels_lib.Curve | None = None
 
 
@@ -138,7 +138,7 @@ class Topology:
     host_groups: tuple[tuple[int, ...], ...]  # devices that share one uplink (switch) to the host
     uplink: Link | None  # the shared uplink of a group; None = every device has its own path
     device_link: Link  # device↔device link (NVLink / PCIe peer) collectives run over
-    # Used by the feed-time model (meshpar.plan.feed_time):
+    # Used by the feed-time model (meshpar.plan.time.feed_time):
     device_memory_bandwidth: float = 0.0  # bytes/s within one device (HBM; cutting slices on the relay)
     copy_link: Link | None = None  # device→device copy when it differs from the collective link (cpu-sim)
     relay_fanout: str = "shared"  # "shared": the relay's slices leave through one port; "parallel": a link per peer
@@ -150,11 +150,11 @@ class Topology:
     hosts: int = 1  # machines (processes) the devices are spread over, num_devices / hosts each
     node_link: Link | None = None  # one device's share of the network between hosts (hosts > 1)
     gpu: GpuSpec | None = None  # an NVIDIA GPU's compile target (None: not a GPU, e.g. cpu-sim)
-    # CUDA Unified Memory's paging (meshpar.plan.unified): the page the driver migrates on a
+    # CUDA Unified Memory's paging (meshpar.plan.out_of_core.unified): the page the driver migrates on a
     # fault, and what servicing one fault costs beyond moving its bytes.
     page_bytes: int = UM_PAGE_BYTES
     fault_s: float = UM_FAULT_S
-    # A GPU's kernel costs (its file's ``kernels:``, meshpar.plan.kernels): GEMMs by shape, fused
+    # A GPU's kernel costs (its file's ``kernels:``, meshpar.plan.time.kernels): GEMMs by shape, fused
     # attention, memory-bound kernels, the fixed cost per kernel. None (cpu-sim): each op priced
     # at the roofline of the measured rates.
     kernels: kernels_lib.KernelCosts | None = None

@@ -1,10 +1,10 @@
 """What a data source is to meshpar: :class:`Source`, the one value of ``data.source`` it names.
 
 A source is an object, registered in :mod:`meshpar.sources`, that says which ``data.<key>``
-settings are its own, checks them (one-line :class:`~meshpar.schema.ConfigError`), names its eval
+settings are its own, checks them (one-line :class:`~meshpar.configuration.schema.ConfigError`), names its eval
 split's setting, and opens its host-side source (an ``input_pipeline`` class: ``len``,
 ``element_spec``, ``batch(indices)``). ``data`` is always the run's ``data`` section
-(:class:`meshpar.config.DataConfig`); a source reads only its own fields from it. What a source
+(:class:`meshpar.configuration.config.DataConfig`); a source reads only its own fields from it. What a source
 needs from the run it gets as arguments: the model's vocabulary, and ``tokenizer``, which loads
 ``data.tokenizer`` as the run resolves it (its own, ``checkpoint.init_from``'s, or bytes).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from input_pipeline import tokenizer as tokenizer_lib
-from meshpar.schema import ConfigError
+from meshpar.configuration.schema import ConfigError
 
 Spec = dict[str, tuple[tuple[int, ...], np.dtype]]  # field → (per-example shape, dtype)
 # Loads data.tokenizer as the run resolves it (a bad file: one ConfigError); called only by a
@@ -59,7 +59,7 @@ class Source:
     token_windows: bool = False
 
     def check(self, data: Any) -> None:
-        """Its own settings' checks that read no file (run by :func:`meshpar.config.check`)."""
+        """Its own settings' checks that read no file (run by :func:`meshpar.configuration.config.check`)."""
         for key, why in self.required:
             if not getattr(data, key):
                 raise ConfigError(f"data.{key}", f"required when data.source is {self.name}{why}")

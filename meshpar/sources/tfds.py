@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from input_pipeline.tfds_source import TfdsSource, name_problem  # tfds itself loads only when a source opens
-from meshpar.schema import ConfigError
+from meshpar.configuration.schema import ConfigError
 from meshpar.sources.base import LoadTokenizer, Source, split_name
 
 # What every source read from a tfds data_dir cannot run without (tfds_text's too).

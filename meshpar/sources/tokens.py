@@ -9,7 +9,7 @@ from typing import Any
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import tokens as tokens_lib
 from input_pipeline.errors import DataError
-from meshpar.schema import ConfigError
+from meshpar.configuration.schema import ConfigError
 from meshpar.sources.base import LoadTokenizer, Source, Spec, split_name
 
 

@@ -1,0 +1,741 @@
+"""Layout search: every mesh and layout of a config's devices that is legal and fits, ranked by
+predicted step time on a topology.
+
+**Enumerated.** Meshes: every factorisation of the device count into the config's mesh axis
+names, in their order, 1-sized axes included (a config with a single axis gets a ``model``
+axis after it). Layouts on each mesh: ``batch`` onto any subset of the axes (several at once
+as ``batch:(a,b)``, first axis major), the model's split dims (the dims the config's layout
+maps onto ``model``, else the family's: :attr:`meshpar.models.Family.split_dims`) onto the
+``model`` axis or not, and ``param_layout`` FSDP over the batch axes (the family's FSDP dims,
+taken as the pre-flight takes them: :func:`meshpar.plan.search.candidates.fsdp_param_layout`) or
+none; and, for a model with a layer stack (its family's ``stack_layers``,
+:class:`meshpar.models.Traits`), a stage axis ``stage`` of every size that divides both the
+layers and the devices, first in the mesh (its neighbours the furthest apart: a pipeline moves
+the fewest bytes of any split, one microbatch's activations per tick, so it takes the slowest
+link), carrying ``layers:stage`` and nothing else (:mod:`meshpar.sharding.stages`). Every other dim
+is replicated; the config's other sections (remat, feed, the pipeline's schedule where there is
+a stage axis, ...) are kept.
+
+**Microbatches** (``train.microbatches``, :func:`microbatch_counts`): each choice is planned with
+counts that divide the rows one device holds. With a stage axis of S stages they are the
+pipeline's, and every count of at least S is a candidate of its own (fewer leave most of each
+tick idle: the bubble is (S − 1)/M of the ticks), ranked like any other: more shrink the bubble,
+and cost a permute per tick and smaller matmuls. Without one they are gradient accumulation's,
+which only saves memory: the same FLOPs in k passes of smaller matmuls, each with its own
+launches (and, under FSDP, its own gathers and reduce-scatters); so each layout gets the fewest
+that fit, tried in
+ascending order (stopping where one more no longer lowers the bytes: from two microbatches on,
+the float32 running sum is there and only the activations shrink), and the config's own count
+on its own layout besides. A count that does not split the batch, or fewer than the stages
+under the circular schedule, is illegal.
+
+**Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
+onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
+``batch:model``, and ``data:2,model:4`` with ``batch:(data,model)``; with nothing split every
+mesh is the same) are one candidate: the config's own where it is one of them, else the one
+with fewer such empty rules and the batch off the ``model`` axis.
+
+**Legal.** The config is built with the choice and planned as a run plans it
+(:func:`meshpar.run.parts.abstract_step`): the batch must divide over its axes and into its
+microbatches, every parameter's and activation's split dims must divide, and no tensor may
+have two dims on one axis. What fails is dropped, counted by the config key it fails on.
+
+**Fitting.** The analytic memory plan (:func:`meshpar.plan.memory.analytic.analytic`) against the
+usable bytes of one device of the machine (:func:`meshpar.plan.cost.machine_capacity`: on
+``cpu-sim`` the capacity a run would check; on another machine its memory × XLA's allocator
+fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either). Under
+``offload.unified_memory`` the capacity is oversubscribed, and a layout that needs more than
+the device's own memory pays for its paging in its estimate (``paging_s``,
+:func:`meshpar.plan.out_of_core.offload_cost.paging`), compiled or not.
+
+**Ranked analytically** (nothing compiled), per device, :class:`Estimate`:
+
+* compute — the family's ``flops_per_example`` × the batch, over the devices that split the
+  work (batch ways × model ways: an axis that splits nothing repeats the work), × 4/3 under
+  ``model.remat=full`` (the forward runs twice), at the topology's peak for the compute dtype ×
+  its efficiency;
+* memory — bytes a step moves in device memory: the state read and written by the update
+  (2 × (params + grads + optimizer)) and the saved activations written, read, and their
+  cotangents written and read (4 × activations, per microbatch), and with k microbatches
+  the float32 running sum read and written by each after the first (2 × its bytes × (k − 1):
+  XLA:GPU adds each gradient to it in the matmul's epilogue), from the
+  memory plan, at the device's rate (:func:`meshpar.plan.time.timing.memory`); added to compute,
+  not overlapped (the model is a ranking, not a roofline);
+* gradients — each parameter's gradient all-reduced over the batch axes it is not split on
+  (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
+  reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
+  and axis (XLA combines the small ones); with k microbatches of gradient accumulation the
+  all-reduce once (each device sums its own rows' gradients over the microbatches:
+  :func:`meshpar.run.trainer.accumulate_locally`), FSDP's gathers and reduce-scatters k times;
+* activations — with the model dims split n ways, the all-reduces over the ``model`` axis
+  the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
+  Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
+  and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
+  the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
+  compute dtype (with k microbatches of accumulation, k times as many, of 1/k the rows);
+* pipeline (a stage axis; :mod:`meshpar.plan.memory.stage_axis`) — the compute of the layer stack
+  (its share of the family's FLOPs, :attr:`meshpar.models.Family.layer_flops`) over S stages
+  and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
+  axis's activation all-reduces scaled alike); and 2·T ``collective-permute`` ops of one
+  microbatch's stack output plus one all-reduce of the batch's over the stage axis's link;
+* launches — the fixed cost of every kernel (the topology's ``kernels.launch_us``) times the
+  kernels one device launches: :func:`pass_kernels` per pass (the matmuls and reductions of the
+  model's training jaxpr, a lower bound on the compiled program's), once per microbatch of
+  accumulation, and spread over a pipeline's ticks like its FLOPs; so more microbatches cost
+  what they cost on a GPU (each pass launches every kernel again), not nothing;
+* feed — the batch's placement time (:mod:`meshpar.plan.time.feed_time`), only the part longer
+  than compute when ``feed.prefetch`` ≥ 1.
+
+**Then compiled**: the top K layouts by that estimate, each at its best-estimated microbatch
+count (K counts of one layout would leave the other layouts unread, and the largest counts
+compile slowest), are compiled ahead of time (nothing allocated)
+and ranked by the HLO-based model (:func:`meshpar.plan.time.timing.predict`), their XLA memory
+checked against the capacity too. The ranking: compiled and fitting first, by the HLO model;
+then the other fitting ones, by the estimate. Predictions within :data:`TIE` of the fastest
+are a tie: the model does not tell them apart (measured step times of the top layouts differ
+by a few percent and swap places from run to run on a shared host), and among them the one
+that moves the fewest collective bytes leads — the term the model is least sure of, and the
+one that grows first on a bigger machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import shlex
+import time
+
+import jax
+from flax import nnx
+
+from input_pipeline.errors import DataError
+from meshpar import jaxprs, models
+from meshpar.configuration import config as config_lib
+from meshpar.configuration.config import Config, ConfigError
+from meshpar.plan import cost, gpu_target, shapes
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import stage_axis as stages
+from meshpar.plan.out_of_core import offload_cost, offload_plan, unified
+from meshpar.plan.report import fmt_bytes
+from meshpar.plan.search import candidates
+from meshpar.plan.time import timing
+from meshpar.run import aot, compile_cache, parts, throughput, trainer
+from meshpar.run import inputs as inputs_lib
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import mesh as mesh_lib
+
+MODEL_AXIS = candidates.MODEL_AXIS
+STAGE_AXIS = candidates.STAGE_AXIS
+TOP_K = 5
+TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One point of the search space: a mesh and how the dims map onto it."""
+
+    mesh: tuple[tuple[str, int], ...]
+    batch: tuple[str, ...]  # mesh axes the batch is split over, first major
+    model: bool  # the model dims on the model axis
+    fsdp: bool  # parameters and optimizer state also split over the batch axes
+    added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
+    stage: bool = False  # the layer stack over the stage axis (a pipeline); the stage axis carries nothing else
+    microbatches: int = 1  # train.microbatches: gradient accumulation's, or the pipeline's
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def mesh_str(self) -> str:
+        return ",".join(f"{a}:{n}" for a, n in self.mesh if not (a in (self.added, STAGE_AXIS) and n == 1))
+
+    def key(self) -> tuple:
+        """What it places where, up to axis names: the axes of more than one device in mesh
+        order, each by its size, its place in the batch's axes (-1: none) and whether it
+        carries the model dims; neighbours that act as one axis (consecutive batch axes, or
+        two idle ones) merged, as the devices are the same row-major either way."""
+        sizes = self.sizes
+        batch = [a for a in self.batch if sizes[a] > 1]
+        merged: list[list] = []
+        for a, n in self.mesh:
+            if n == 1:
+                continue
+            role = [
+                n,
+                batch.index(a) if a in batch else -1,
+                self.model and a == MODEL_AXIS,
+                self.stage and a == STAGE_AXIS,
+            ]
+            last = merged[-1] if merged else None
+            busy = last and (last[2] or last[3] or role[2] or role[3])
+            if last and not busy and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
+                last[0], last[1] = last[0] * n, role[1]
+            else:
+                merged.append(role)
+        order = sorted(b for _, b, _, _ in merged if b >= 0)
+        roles = tuple((n, order.index(b) if b >= 0 else -1, m, st) for n, b, m, st in merged)
+        return roles, self.fsdp and len(batch) > 0, self.microbatches
+
+    def oddness(self) -> tuple[int, int]:
+        """Rules that split nothing, and the batch on the model axis: the fewer, the plainer."""
+        sizes = self.sizes
+        ways = math.prod(sizes[a] for a in self.batch)
+        empty = sum(sizes[a] == 1 for a in self.batch) + (self.model and sizes.get(MODEL_AXIS, 1) == 1)
+        return empty + (self.fsdp and ways == 1), MODEL_AXIS in self.batch
+
+
+def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every ordered `k`-tuple of positive integers whose product is `n`."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
+
+
+def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
+    """Every (stage axis, mesh, batch axes, model split, FSDP) choice over `num_devices`,
+    duplicates included (a stage axis: see the module docstring)."""
+    names = [a for a, _ in cfg.mesh if a != STAGE_AXIS]
+    added = None
+    if len(names) <= 1 and MODEL_AXIS not in names:
+        added = MODEL_AXIS
+        names.append(MODEL_AXIS)
+    out = []
+    for s in (1, *stages.stage_sizes(models.traits(cfg.model).stack_layers, num_devices)):
+        for shape in factorisations(num_devices // s, len(names)):
+            mesh = ((STAGE_AXIS, s), *zip(names, shape)) if s > 1 else tuple(zip(names, shape))
+            subsets = [b for r in range(len(names) + 1) for b in itertools.combinations(names, r)]
+            splits = (False, True) if MODEL_AXIS in names else (False,)
+            for batch, model, fsdp in itertools.product(subsets, splits, (False, True)):
+                out.append(Option(mesh, batch, model, fsdp, added, s > 1))
+    return out
+
+
+def model_dims(cfg: Config) -> tuple[str, ...]:
+    """The dims a model split puts on the model axis: the config's own, else the family's."""
+    own = tuple(d for d, a in cfg.layout if d != "batch" and MODEL_AXIS in (a if isinstance(a, tuple) else (a,)))
+    family = models.family(cfg.model.name)
+    return own or (family.split_dims(cfg.model) if family.split_dims is not None else ())
+
+
+def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, element_spec: dict) -> tuple[str, str]:
+    """The option's (layout, param_layout) rule texts; raises ConfigError when FSDP has no dim to split."""
+    batch = option.batch[0] if len(option.batch) == 1 else option.batch
+    layout = (("batch", batch),) if option.batch else ()
+    layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
+    layout += (("layers", STAGE_AXIS),) if option.stage else ()
+    param_layout = ""
+    if option.fsdp:  # replaces the config's own param_layout
+        param_layout = candidates.fsdp_param_layout(cfg, element_spec, params, option.batch, option.sizes, layout, ())
+    return layout_lib.format_rules(layout), param_layout
+
+
+def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str, stage: bool = False,
+                microbatches: int | None = None) -> Config:  # fmt: skip
+    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is), and its
+    ``train.microbatches`` where `microbatches` is given; without a stage axis (`stage`), without
+    the pipeline's settings either."""
+    raw = config_lib.to_dict(cfg)
+    raw.update(mesh=mesh, layout=layout, param_layout=param_layout)
+    if microbatches is not None:
+        raw["train"] = {**raw["train"], "microbatches": microbatches}
+    if not stage and "pipeline" in raw:
+        raw["pipeline"] = {**raw["pipeline"], "schedule": "gpipe", "repeats": 1}
+    return config_lib.from_dict(raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The analytic step time per device, by term (see the module docstring)."""
+
+    flops: float
+    compute_s: float
+    memory_s: float
+    gradient_s: float
+    activation_s: float
+    feed_s: float
+    exposed_feed_s: float
+    pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.memory.stage_axis)
+    paging_s: float = 0.0  # unified memory: what its page faults stall (meshpar.plan.out_of_core.unified)
+    kernels: float = 0.0  # kernels one device launches per step, at least (see pass_kernels)
+    launch_s: float = 0.0  # their fixed cost: kernels × the topology's launch_us
+
+    @property
+    def collective_s(self) -> float:
+        return self.gradient_s + self.activation_s + self.pipeline_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s + self.launch_s
+
+
+def pass_kernels(cfg: Config, step: parts.AbstractStep) -> int:
+    """The kernels one microbatch's forward and backward pass launches at least: the matmuls and
+    reductions of the model's own training jaxpr (``jax.grad`` of its loss under its
+    ``model.remat`` policy, the recomputed forward included; loop bodies × their trip counts),
+    traced for the target (its layer-loop form and attention kernel). XLA:GPU emits each matmul
+    as its own kernel (a library call or a GEMM fusion) and each reduction as the root of a
+    fusion of its own; the elementwise work fuses into them and is not counted, so this is a
+    lower bound on the compiled program's kernels (:attr:`meshpar.plan.time.timing.Span.kernels`).
+    Counted at the global shapes: the count does not depend on the layout (splitting a matmul
+    leaves one per device; a stage axis's share of the layers is the estimate's to take)."""
+    loss, _ = memory.local_loss(cfg, step)
+    state, batch, _ = step.args
+    with shapes.on_target(step):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)
+    return sum(copies for eqn, copies, _ in jaxprs.walk(jaxpr) if jaxprs.is_matmul(eqn) or jaxprs.is_reduction(eqn))
+
+
+def _axes_of(spec) -> set[str]:
+    return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], compute_itemsize: int) -> dict:
+    """(kind, axes) → bytes per device of the gradient sync: all-reduce over the batch axes a
+    parameter is not split on; under FSDP two all-gathers (compute dtype) and a reduce-scatter."""
+    sizes = dict(step.mesh.shape)
+    batch = [a for a in batch_axes if sizes[a] > 1]
+    params = jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for var, own in zip(params, jax.tree.leaves(step.plan.shardings.params)):
+        a = var.get_value()
+        dims = var.get_metadata().get("dims") or (None,) * a.ndim
+        act = step.layout.sharding(step.mesh, dims)
+        elements = math.prod(act.shard_shape(a.shape))
+        act_axes, own_axes = _axes_of(act.spec), _axes_of(own.spec)
+        gathered = tuple(x for x in step.mesh.axis_names if x in own_axes - act_axes and sizes[x] > 1)
+        if gathered:
+            out[("all-gather", gathered)] = out.get(("all-gather", gathered), 0) + 2 * elements * compute_itemsize
+            out[("reduce-scatter", gathered)] = out.get(("reduce-scatter", gathered), 0) + elements * a.dtype.itemsize
+        summed = tuple(x for x in batch if x not in act_axes and x not in gathered)
+        if summed:
+            share = elements // math.prod(sizes[x] for x in gathered) * a.dtype.itemsize
+            out[("all-reduce", summed)] = out.get(("all-reduce", summed), 0) + share
+    return out
+
+
+def estimate(
+    cfg: Config,
+    option: Option,
+    step: parts.AbstractStep,
+    breakdown: memory.Breakdown,
+    topo,
+    dims,
+    kernels: int = 0,
+) -> Estimate:
+    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`;
+    `kernels`: those one microbatch's pass launches (:func:`pass_kernels`; 0: not counted)."""
+    sizes = option.sizes
+    spec, family = step.element_spec, models.family(cfg.model.name)
+    batch_ways = math.prod(sizes[a] for a in option.batch)
+    model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
+    model, dtype = models.traits(cfg.model), throughput.compute_dtype(cfg.model)
+    # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
+    per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
+    sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
+    scale = stages.compute_scale(sched, stages.layer_share(family, cfg.model, spec))
+    flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
+    flops *= 4 / 3 if model.remat == "full" else 1
+    compute_s = flops / (topo.peak(dtype) * topo.efficiency)
+    c = breakdown.categories
+    # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
+    # gradients summed over the batch axes no weight is split on are reduced once per step
+    # (meshpar.run.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
+    k = cfg.train.microbatches if sched is None else 1
+    once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
+    summed = 2 * memory.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum
+    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
+    memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    gradient_s = sum(
+        (1 if kind == "all-reduce" and set(axes) <= once else k)
+        * cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
+        for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
+    )
+    activation_s = 0.0
+    if model_ways > 1 and family.activation_all_reduces is not None:
+        rows = cfg.train.batch_size // batch_ways // k  # one microbatch's: k times as many, each 1/k the size
+        count, elements = family.activation_all_reduces(cfg.model, spec, rows, dims)
+        link = topo.axis_link(sizes, MODEL_AXIS)
+        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count * k) * scale
+    pipeline_s = 0.0
+    if sched is not None:
+        width = model.width  # the stack's [batch, length, embed] activations
+        rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
+        traffic = stages.traffic(sched, rows, length, width, itemsize)
+        pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
+    # every pass launches its kernels again: k passes of accumulation; a pipeline's M microbatches
+    # spread over its ticks like its FLOPs (a stage runs its share of the layers per tick)
+    launches = kernels * (sched.microbatches * scale if sched is not None else k)
+    launch_s = launches * topo.kernels.launch_s if topo.kernels is not None else 0.0
+    feed_s = cost.feed_seconds(cfg, topo)
+    exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
+    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s,
+                    kernels=launches, launch_s=launch_s)  # fmt: skip
+
+
+def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
+    """Seconds unified memory's page faults add to `cfg`'s step on `topo` (:func:`meshpar.plan.out_of_core.offload_cost.paging`)."""
+    w = offload_plan.weights(step.plan, step.layout, step.mesh)
+    layers = models.traits(cfg.model).stack_layers or 1
+    blocks = unified.blocks(breakdown.categories, layers, w.layer, breakdown.residual_split, cfg.train.microbatches)
+    return offload_cost.paging(blocks, breakdown.total, cap, topo, step.mesh.size)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """A legal candidate: its config, its plan, memory and time."""
+
+    option: Option
+    cfg: Config
+    step: parts.AbstractStep = dataclasses.field(repr=False)
+    memory_bytes: int  # analytic total per device
+    estimate: Estimate
+    fits: bool
+    own: bool = False  # the config's own mesh and layout
+    predicted: timing.StepTime | None = None  # the HLO-based model, when compiled
+    xla_bytes: int | None = None  # XLA's total for the compiled train step
+    compile_s: float = 0.0
+    compiled: object = dataclasses.field(default=None, repr=False)  # the train step, when compiled
+    replaces_param_layout: bool = False  # the config has a param_layout of its own
+    given_microbatches: int = 1  # the config's own train.microbatches
+
+    @property
+    def option_key(self) -> tuple:
+        """Its layout's key, whatever its microbatch count (:meth:`Option.key`)."""
+        return dataclasses.replace(self.option, microbatches=1).key()
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step time: the HLO model's where compiled (with unified memory's paging,
+        which no HLO holds), else the estimate."""
+        if self.predicted is not None:
+            return self.predicted.total_s + self.estimate.paging_s
+        return self.estimate.total_s
+
+    @property
+    def overrides(self) -> list[str]:
+        """The choice as shell-quoted ``key=value`` arguments of ``python -m meshpar.train``."""
+        pairs = [("mesh", self.cfg.mesh_str), ("layout", self.cfg.layout_str)]
+        if self.cfg.param_layout or self.replaces_param_layout:
+            pairs.append(("param_layout", layout_lib.format_rules(self.cfg.param_layout)))
+        if self.cfg.train.microbatches != self.given_microbatches:
+            pairs.append(("train.microbatches", str(self.cfg.train.microbatches)))
+        return [shlex.quote(f"{k}={v or '{}'}") for k, v in pairs]
+
+
+@dataclasses.dataclass
+class Result:
+    """The search's outcome: the ranked rows (fitting ones first) and its counts."""
+
+    rows: list[Row]
+    topology: object
+    capacity: cost.Capacity
+    num_devices: int
+    enumerated: int
+    duplicates: int
+    illegal: dict[str, int]  # by the config key it fails on
+    compiled: int
+    seconds: float
+    compiled_for: str = "cpu"  # what the best K were compiled for (a GPU machine's own compiler, or this host)
+    note: str = ""  # why a GPU machine's best K were compiled for this host instead
+    # What the search cannot give for the model's family, one line each (meshpar.models.missing).
+    missing: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def legal(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fitting(self) -> int:
+        return sum(r.fits for r in self.rows)
+
+    @property
+    def best(self) -> Row | None:
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+
+def rank_compiled(rows: list[Row]) -> list[Row]:
+    """Compiled rows by predicted step time; those within TIE of the fastest by collective bytes."""
+    rows = sorted(rows, key=lambda r: r.step_s)
+    if not rows:
+        return rows
+    tied = [r for r in rows if r.step_s <= rows[0].step_s * (1 + TIE)]
+    tied.sort(key=lambda r: (sum(c.bytes for c in r.predicted.collectives), r.step_s))
+    return tied + rows[len(tied) :]
+
+
+def _same_rules(a, b) -> bool:
+    return set(layout_lib.parse_rules(a)) == set(layout_lib.parse_rules(b))
+
+
+def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) -> bool:
+    mesh = {a: n for a, n in option.mesh if not (a in (option.added, STAGE_AXIS) and n == 1)}
+    same = _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
+    return mesh == own_mesh and same and option.microbatches == cfg.train.microbatches
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(cfg: Config, option: Option, own_choice: tuple) -> list[int]:
+    """The ``train.microbatches`` the search plans `option` with, in the order it tries them
+    (see the module docstring): each count that divides a device's rows; with a stage axis of S
+    stages those of at least S (fewer leave most of every tick idle), else the largest; without
+    one, ascending (the search keeps the first that fits), and the config's own count on its own
+    layout."""
+    ways = math.prod(option.sizes[a] for a in option.batch)
+    rows = cfg.train.batch_size // ways if cfg.train.batch_size % ways == 0 else 0
+    counts = _divisors(rows) if rows else [cfg.train.microbatches]
+    if option.stage:
+        stages_ = option.sizes[STAGE_AXIS]
+        return [k for k in counts if k >= stages_] or counts[-1:]
+    if _choice(option) == own_choice and cfg.train.microbatches in counts:
+        counts = counts[: counts.index(cfg.train.microbatches) + 1]
+    return counts
+
+
+def _choice(option: Option) -> tuple:
+    """The option as the config's own choice is written: (mesh, batch axes, model split, FSDP, stage axis)."""
+    mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
+    return mesh, option.batch, option.model, option.fsdp, option.stage
+
+
+def _own_choice(cfg: Config, dims: tuple[str, ...], num_devices: int) -> tuple[dict[str, int], tuple]:
+    """The config's own mesh, and its choice as :func:`_choice` writes an option's."""
+    try:
+        own_mesh = dict(mesh_lib.resolve(cfg.mesh, num_devices))
+    except mesh_lib.MeshError:
+        own_mesh = {}
+    batch_rule = dict(cfg.layout).get("batch")
+    own = (
+        own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
+        any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
+        dict(cfg.layout).get("layers") == STAGE_AXIS,
+    )  # fmt: skip
+    return own_mesh, own
+
+
+def distinct(options: list[Option], own_choice: tuple) -> list[Option]:
+    """One option of each group of duplicates (:meth:`Option.key`): the config's own, else the plainest."""
+
+    def preference(option: Option) -> tuple:
+        return (_choice(option) != own_choice, *option.oddness())
+
+    kept: dict[tuple, Option] = {}
+    for option in options:
+        key = option.key()
+        if key not in kept or preference(option) < preference(kept[key]):
+            kept[key] = option
+    return [o for o in options if kept[o.key()] is o]
+
+
+@dataclasses.dataclass
+class _Planner:
+    """Plans options of one config on one machine: each at its microbatch counts, legal or not
+    (counted by the key they fail on), its memory, fit and estimate."""
+
+    cfg: Config
+    topo: object
+    spec: dict
+    dims: tuple[str, ...]
+    params: list
+    own_mesh: dict[str, int]
+    own_choice: tuple
+    illegal: dict[str, int] = dataclasses.field(default_factory=dict)
+    meshes: dict[str, jax.sharding.Mesh] = dataclasses.field(default_factory=dict)
+    cap: cost.Capacity | None = None
+    kernels: int | None = None  # one pass's (pass_kernels): the same for every layout, counted once
+
+    def _fail(self, key: str) -> None:
+        self.illegal[key] = self.illegal.get(key, 0) + 1
+
+    def row(self, option: Option, new: Config) -> Row:
+        """`option` planned as the config `new`; raises what makes it illegal."""
+        mesh = self.meshes.get(new.mesh_str) or self.meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
+        step = parts.abstract_step(new, mesh, self.spec)
+        breakdown = memory.analytic(new, step)
+        self.cap = self.cap or cost.machine_capacity(self.cfg, self.topo, mesh)
+        if self.kernels is None:
+            self.kernels = pass_kernels(new, step)
+        est = estimate(new, option, step, breakdown, self.topo, self.dims, self.kernels)
+        if self.cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
+            est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, self.topo, self.cap))
+        own = _is_own(self.cfg, option, new, self.own_mesh)
+        return Row(option, new, step, breakdown.total, est, breakdown.total <= self.cap.usable_bytes, own,
+                   replaces_param_layout=bool(self.cfg.param_layout),
+                   given_microbatches=self.cfg.train.microbatches)  # fmt: skip
+
+    def rows(self, option: Option) -> list[Row]:
+        """The rows `option` gives (see the module docstring): with a stage axis one per count;
+        without, the fewest microbatches that fit (and the config's own count on its own layout),
+        or where none fits the one with the fewest bytes."""
+        cfg = self.cfg
+        try:
+            layout, param_layout = rules(option, self.dims, self.params, cfg, self.spec)
+        except ConfigError as e:
+            self._fail(e.key)
+            return []
+        counts = microbatch_counts(cfg, option, self.own_choice)
+        own_layout = _choice(option) == self.own_choice
+        out: list[Row] = []
+        last, least, found = None, None, False
+        for k in counts:
+            try:
+                new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
+                row = self.row(dataclasses.replace(option, microbatches=k), new)
+            except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
+                key = getattr(e, "key", None) or (
+                    "layout" if isinstance(e, layout_lib.LayoutError) else type(e).__name__
+                )
+                self._fail(key)
+                if key == "train.microbatches":
+                    continue
+                break  # the layout itself is illegal, whatever the microbatches
+            if option.stage or row.own or (row.fits and not found):
+                out.append(row)
+            found = found or row.fits
+            # from 2 microbatches on (the first adds the float32 running sum) more only save bytes
+            # while the activations of one microbatch are still worth halving
+            falls = last is None or last.cfg.train.microbatches == 1 or row.memory_bytes < last.memory_bytes
+            least = row if least is None or row.memory_bytes < least.memory_bytes else least
+            last = row
+            if not option.stage and ((found and k >= counts[-1 if own_layout else 0]) or not falls):
+                break  # gradient accumulation: the fewest microbatches that fit, or no more bytes saved
+        if not (option.stage or found) and least is not None and all(least is not r for r in out):
+            out.append(least)  # nothing fits: its fewest bytes, as its one row
+        return out
+
+
+def best_layouts(fitting: list[Row], top: int) -> list[Row]:
+    """The `top` best estimates of distinct layouts, each at its best-estimated microbatch count:
+    K counts of one layout would leave the others unread (and many microbatches compile slowest)."""
+    layouts: set[tuple] = set()
+    picked = []
+    for row in sorted(fitting, key=lambda r: r.estimate.total_s):
+        if len(picked) < top and row.option_key not in layouts:
+            layouts.add(row.option_key)
+            picked.append(row)
+    return picked
+
+
+def compile_row(row: Row, target: gpu_target.Target, topo, spec: dict, cap: cost.Capacity) -> None:
+    """Compile `row`'s step ahead of time for `target` and rank it by the HLO model: its
+    prediction, XLA's bytes, and whether it still fits with them."""
+    t = time.perf_counter()
+    if target.compile_only:  # the same mesh and layout over the GPU's compile-only devices
+        on_target = mesh_lib.build_mesh(row.cfg.mesh, target.devices[: row.step.mesh.size])
+        row.step = parts.abstract_step(row.cfg, on_target, spec)
+    with compile_cache.suspended(target.compile_only):
+        row.compiled = row.step.lower().compile()
+    row.compile_s = time.perf_counter() - t
+    row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
+    row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
+    row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
+
+
+def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
+    """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
+    the `top` best estimates and rank (see the module docstring). `progress(text)`: called as
+    it goes. On a GPU machine with XLA's GPU compiler installed the best estimates are compiled
+    for that GPU (:mod:`meshpar.plan.gpu_target`): the enumeration and the estimates read the
+    model on this host's devices (nothing compiled), the compiled ranking reads the GPU's program."""
+    started = time.perf_counter()
+    say = progress or (lambda text: None)
+    try:
+        mesh_lib.request_cpu_devices(num_devices)
+    except RuntimeError:
+        pass  # the backend is up already; build_mesh names a shortfall
+    compile_cache.configure(cfg.compile_cache)  # as a run would: a rerun's compiles are cached
+    spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
+    family = models.family(cfg.model.name)
+    _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
+    dims = model_dims(cfg)
+    options = enumerate_options(cfg, num_devices)
+    own_mesh, own_choice = _own_choice(cfg, dims, num_devices)
+    kept = distinct(options, own_choice)
+    planner = _Planner(cfg, topo, spec, dims, candidates.param_dims(abstract_params), own_mesh, own_choice)
+    rows: list[Row] = []
+    for i, option in enumerate(kept):
+        say(f"planning {i + 1}/{len(kept)}: {option.mesh_str}")
+        rows += planner.rows(option)
+    # nothing legal: the capacity of these devices, for the report
+    cap = planner.cap or cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
+    picked = best_layouts([r for r in rows if r.fits], top)
+    target = gpu_target.target(topo, ((MODEL_AXIS, num_devices),))
+    for i, row in enumerate(picked):
+        say(f"compiling {i + 1}/{len(picked)}: {row.cfg.mesh_str} {row.cfg.layout_str}")
+        compile_row(row, target, topo, spec, cap)
+    rest = sorted((r for r in rows if r.fits and all(r is not p for p in picked)), key=lambda r: r.estimate.total_s)
+    ranked = rank_compiled([r for r in picked if r.fits]) + rest
+    ranked += sorted((r for r in rows if not r.fits), key=lambda r: r.memory_bytes)
+    return Result(
+        ranked, topo, cap, num_devices, len(options), len(options) - len(kept), planner.illegal, len(picked),
+        time.perf_counter() - started, target.compiled_for or "cpu", target.note, search_missing(cfg, dims),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def search_missing(cfg: Config, dims: tuple[str, ...]) -> list[str]:
+    """What the search cannot give for the config's family, one line each: the model parts of
+    :func:`meshpar.models.missing` it reads (FLOPs, split dims, activation all-reduces, FSDP
+    dims), the split dims only where the config's layout names none on ``model``."""
+    lines = []
+    for m in models.missing(cfg.model.name):
+        if m["part"] == "activation_names":
+            continue
+        if (m["part"] == "split_dims" and dims) or (m["part"] == "activation_all_reduces" and not dims):
+            continue
+        if m["part"] == "split_dims":
+            lines.append(f"search: no model-axis candidates (family {cfg.model.name} gives no split_dims, and the "
+                         "config's layout puts no dim on model)")  # fmt: skip
+        else:
+            lines.append(m["line"])
+    return lines
+
+
+def summary(result: Result) -> str:
+    """The counts and the time the search took, in one line."""
+    why = ", ".join(f"{k} {n}" for k, n in sorted(result.illegal.items()))
+    illegal = sum(result.illegal.values())
+    return (
+        f"{result.enumerated} enumerated on {result.num_devices} devices ({result.duplicates} duplicates of another), "
+        f"{illegal} illegal{f' ({why})' if why else ''}, {result.legal} legal, {result.fitting} fit in "
+        f"{fmt_bytes(result.capacity.usable_bytes)} usable ({result.capacity.source}), {result.compiled} compiled; "
+        f"search took {result.seconds:.1f} s"
+    )
+
+
+def to_json(result: Result) -> dict:
+    """The search as plain JSON data: counts, capacity and every legal row in ranked order."""
+    rows = []
+    for r in result.rows:
+        rows.append({
+            "mesh": r.cfg.mesh_str, "layout": r.cfg.layout_str,
+            "param_layout": layout_lib.format_rules(r.cfg.param_layout), "microbatches": r.cfg.train.microbatches,
+            "own": r.own, "fits": r.fits,
+            "step_s": r.step_s, "memory_bytes": r.memory_bytes, "xla_bytes": r.xla_bytes,
+            "estimate": {**dataclasses.asdict(r.estimate), "total_s": r.estimate.total_s},
+            "predicted": r.predicted and timing.to_json(r.predicted), "compile_s": r.compile_s,
+        })  # fmt: skip
+    return {
+        "topology": result.topology.name, "compiled_for": result.compiled_for, "num_devices": result.num_devices,
+        "enumerated": result.enumerated,
+        "duplicates": result.duplicates, "illegal": result.illegal, "legal": result.legal, "fitting": result.fitting,
+        "compiled": result.compiled, "seconds": result.seconds, "usable_bytes": result.capacity.usable_bytes,
+        "capacity_source": result.capacity.source, "rows": rows, "missing": result.missing,
+    }  # fmt: skip

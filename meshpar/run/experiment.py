@@ -1,0 +1,135 @@
+"""An experiment built from its config: devices → mesh → layout → inputs → sharded state → steps.
+
+Everything that can be checked without running is checked here, before the first step — every
+parameter and activation against the layout (abstractly), the data against the model, the
+memory each device needs against what it has (:mod:`meshpar.plan.preflight`), the run's
+folders, and a checkpoint to resume against the config — and reported as one-line errors
+(:mod:`meshpar.configuration.errors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from input_pipeline.errors import DataError
+from meshpar import models
+from meshpar.checkpoints import init_from, rundir
+from meshpar.checkpoints import resume as resume_lib
+from meshpar.checkpoints.checkpoint import Checkpointer, Codec
+from meshpar.configuration.config import Config, ConfigError
+from meshpar.plan import preflight
+from meshpar.run import compile_cache, parts, throughput, trainer
+from meshpar.run import inputs as inputs_lib
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import unified_memory
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config, ready to step."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    layout: layout_lib.Layout
+    inputs: inputs_lib.Inputs
+    state: trainer.TrainState
+    train_step: object  # (state, batch, stop flags) -> (state, metrics); state donated
+    eval_step: object  # (params, batch) -> metrics
+    # Model FLOPs of one training example (forward + backward); None when the family gives none.
+    flops_per_example: float | None
+    tokens_per_example: int
+    peak_tflops: float  # per device, for MFU, for the arithmetic the model runs
+    peak_source: str
+    checkpointer: Checkpointer | None = None
+    record: dict = dataclasses.field(default_factory=dict)  # what each checkpoint records about the run
+    resumed_from: int | None = None  # the checkpoint step the state came from
+
+
+def _compiled_step(compiled: jax.stages.Compiled, jitted) -> object:
+    """An ahead-of-time `compiled` program as the run's step: called with the same arguments as
+    `jitted` (same shardings and donation), never compiling again; it keeps the jitted
+    function's name (``jit_<name>`` is its program's name in profiles)."""
+
+    def step(*args):
+        return compiled(*args)
+
+    step.__name__ = step.__qualname__ = jitted.__name__
+    step.compiled = compiled
+    return step
+
+
+def _check_data(cfg: Config, family, inputs: inputs_lib.Inputs) -> None:
+    problem = family.check_data(inputs.element_spec)
+    if problem:
+        raise DataError(f"{cfg.data.source} data for model {cfg.model.name}: {problem}")
+    num_classes, model = getattr(inputs.train.source, "num_classes", None), models.traits(cfg.model)
+    if num_classes is not None and model.num_classes not in (None, num_classes):
+        raise ConfigError(model.key("num_classes"), f"{model.num_classes} but the data has {num_classes} classes")
+
+
+def build(cfg: Config) -> Experiment:
+    """Devices → mesh → layout → inputs → the state's plan → the memory pre-flight → sharded
+    state (fresh: random, or checkpoint.init_from's weights; or from a checkpoint) → jitted steps.
+
+    With ``plan.check`` (the default) nothing is allocated until the plan is known to fit
+    (:mod:`meshpar.plan.preflight`): the analytic check first, before the run's folders are
+    made, then the train step compiled ahead of time, which the run then calls instead of
+    compiling it again. Resuming a run whose schedule horizon differs from this config's
+    (``--resume train.steps=<more>``) builds the step for the restored horizon: that one
+    compiles at its first call. With ``offload.unified_memory`` the variables it needs are set
+    before jax's backend starts, and checked once it has (:mod:`meshpar.sharding.unified_memory`)."""
+    env = unified_memory.set_up(cfg)  # before jax's backend starts (make_mesh starts it)
+    compile_cache.configure(cfg.compile_cache)  # before the first compilation
+    mesh = parts.make_mesh(cfg)
+    if env is not None:
+        unified_memory.check(env, mesh)  # the variables took effect on this process's devices
+    layout = parts.make_layout(cfg, mesh)
+    inputs = inputs_lib.build(cfg, mesh, layout)
+    family = models.family(cfg.model.name)
+    _check_data(cfg, family, inputs)
+    record = resume_lib.record(cfg, inputs)
+    # The schedule's horizon does not change the optimizer state's structure: the state is
+    # planned with this run's horizon, and the step is built with the restored run's.
+    step = parts.assemble(cfg, mesh, layout, inputs.element_spec, inputs.shardings, record["decay_steps"])
+    plan = step.plan
+    parts.say_unused_rules(cfg, mesh, plan)
+    origin = init_from.open_source(
+        cfg, plan.abstract.params
+    )  # checkpoint.init_from, checked before anything is allocated
+    compiled = {}  # program name -> compiled by the pre-flight (meshpar.plan.programs)
+    if cfg.plan.check:
+        breakdown, capacity = preflight.check_analytic(cfg, step, inputs.element_spec)
+    rundir.check_paths(cfg)  # folders that cannot be created fail here, before any state exists
+    if cfg.plan.check:
+        compiled = preflight.check_compiled(cfg, step, inputs.element_spec, breakdown, capacity)
+    # Checkpoints hold a pipeline's layers in the canonical order: the codec converts both ways.
+    checkpointer = rundir.open_checkpoints(cfg, Codec.of_plan(plan, compiled.get("checkpoint digest")))
+    resumed = checkpointer and resume_lib.restore(cfg, checkpointer, plan, record)
+    if resumed:
+        horizon = record["decay_steps"]
+        state, record = resumed.state, resumed.record
+        if record["decay_steps"] != horizon:
+            step = step.with_optimizer(cfg, trainer.make_optimizer(cfg.optimizer, record["decay_steps"]))
+            # The pre-flight's step (only there with plan.check) was compiled for the other horizon.
+            compiled.pop("train step", None)
+    elif origin is not None:  # a fresh run from checkpoint.init_from's parameters
+        state = init_from.initial_state(cfg, origin, plan, step.tx)
+    else:
+        state = plan.materialize(layout, mesh)
+    train_step = step.step
+    eval_step = trainer.make_eval_step(
+        plan.graphdef, layout, mesh, plan.shardings.params, inputs.shardings, plan.schedule
+    )
+    if "train step" in compiled:
+        train_step = _compiled_step(compiled["train step"], train_step)
+    if "eval step" in compiled:
+        eval_step = _compiled_step(compiled["eval step"], eval_step)
+    peak, peak_source = throughput.peak_tflops(mesh, cfg.hardware.peak_tflops, throughput.compute_dtype(cfg.model))
+    flops = family.flops_per_example and family.flops_per_example(cfg.model, inputs.element_spec)
+    tokens = family.tokens_per_example(cfg.model, inputs.element_spec)
+    return Experiment(
+        cfg, mesh, layout, inputs, state, train_step, eval_step, flops, tokens, peak, peak_source,
+        checkpointer, record, resumed.step if resumed else None,
+    )  # fmt: skip

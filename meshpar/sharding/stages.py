@@ -1,0 +1,379 @@
+"""Pipeline parallelism over a stage axis: ``layers:<axis>`` in the layout.
+
+A layout rule ``layers:stage`` (mesh ``data:2,stage:2,model:2``) splits a model's layer stack
+into stages over the mesh axis ``stage``, and the layers run as a pipeline: the batch is cut into
+``train.microbatches`` microbatches, each stage runs its layers on one microbatch per tick and
+hands the result to the next stage with a ``ppermute`` over the stage axis (and, in the backward
+pass, jax's transpose of it hands the cotangent back). The data, model and FSDP axes are left to
+XLA's partitioner inside the stage function (``jax.shard_map`` over the stage axis alone), so the
+model code is the same for every layout: it calls :func:`meshpar.models.layers.run_layers`, which
+runs the stack here when a schedule is active (:func:`running`).
+
+An op with its own partitioning rule (jax's ``custom_partitioning``: cuDNN's fused attention)
+cannot be partitioned in a stage's partially manual region; :func:`manual` runs it fully manual
+there, each device on its block of the layout's split.
+
+Two schedules (``pipeline.schedule``), after MaxText's:
+
+* ``gpipe`` — stage s holds layers ``s·L/S .. (s+1)·L/S − 1``; microbatch m enters stage 0 at
+  tick m and leaves stage S−1 at tick m + S − 1: ``M + S − 1`` ticks, of which each stage idles
+  S − 1 (the bubble, ``(S − 1) / (M + S − 1)``). Any M ≥ 1 runs; M < S idles most of the time.
+* ``circular`` — each stage holds ``pipeline.repeats`` (R) groups of ``L / (S·R)`` layers, group r
+  of stage s being the canonical layers of block ``r·S + s``; a microbatch passes every stage R
+  times, re-entering stage 0 from stage S−1: ``R·M + S − 1`` ticks, bubble ``(S − 1) / (R·M + S −
+  1)``. A microbatch is back at stage 0 only after S ticks, so M ≥ S.
+
+The forward pass is one ``lax.scan`` over the ticks; its autodiff is the backward schedule, each
+tick's residuals (the stage's layers' for one microbatch, under ``model.remat``) kept for it:
+activation memory per stage is ``ticks / M`` times the batch's for its L/S layers.
+
+Layers are *stored* in the order each stage's slice of the ``layers`` dim needs: for ``gpipe``
+that is the canonical order; for ``circular`` stage s's contiguous slice holds its R groups, so
+the stored order is a permutation (:func:`stored_order`). Checkpoints always hold the canonical
+order: :class:`Reorder` converts a state at the run's edges (initialisation, saving, restoring),
+so a checkpoint moves between pipelined and non-pipelined layouts, both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import tracing
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline: `stages` stages over mesh axis `axis`, `microbatches` per step, `kind` ``gpipe``
+    or ``circular`` with `repeats` groups of layers per stage (1 for gpipe)."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    kind: str = "gpipe"
+    repeats: int = 1
+
+    @property
+    def ticks(self) -> int:
+        """Ticks of the forward pass: every stage runs one microbatch through one group per tick."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The schedule's idle share per stage: ``(S − 1) / (R·M + S − 1)`` (computed, not measured)."""
+        return (self.stages - 1) / self.ticks
+
+
+def stage_axis(layout: layout_lib.Layout) -> str | None:
+    """The mesh axis the layout splits ``layers`` over (a one-axis rule), or None."""
+    axes = layout.axis("layers")
+    return axes if isinstance(axes, str) else None
+
+
+def schedule_for(layout: layout_lib.Layout, kind: str, repeats: int, microbatches: int) -> Schedule | None:
+    """The pipeline a layout runs (``pipeline.schedule``, ``pipeline.repeats``,
+    ``train.microbatches``), or None when it splits no layers over a mesh axis."""
+    axis = stage_axis(layout)
+    if axis is None:
+        return None
+    return Schedule(axis, layout.axis_size("layers"), microbatches, kind, repeats if kind == "circular" else 1)
+
+
+def problem(sched: Schedule, n_layers: int | None, key: str) -> tuple[str, str] | None:
+    """(config key, what is wrong) when `sched` cannot run a stack of `n_layers` layers (None:
+    the model has no layer stack), else None. `n_layers` and `key`, the config key that sets it,
+    are the model family's (:class:`meshpar.models.Traits`: ``stack_layers``)."""
+    if n_layers is None:
+        return "layout", f"layers:{sched.axis} pipelines a layer stack, and this model has none (drop the rule)"
+    groups = sched.stages * sched.repeats
+    if n_layers % groups:
+        split = (
+            f"{sched.stages} stages × {sched.repeats} repeats" if sched.kind == "circular" else f"{sched.stages} stages"
+        )
+        return key, f"{n_layers} layers do not split evenly into {split} (mesh axis '{sched.axis}')"
+    if sched.kind == "circular" and sched.microbatches < sched.stages:
+        return "train.microbatches", (
+            f"{sched.microbatches} is fewer than the {sched.stages} stages over '{sched.axis}': the circular schedule "
+            f"needs at least as many microbatches as stages"
+        )
+    return None
+
+
+def bubble_note(sched: Schedule) -> str | None:
+    """One line for a GPipe schedule with fewer microbatches than stages (it runs, idly)."""
+    if sched.kind == "gpipe" and sched.microbatches < sched.stages:
+        return (
+            f"train.microbatches {sched.microbatches} < {sched.stages} pipeline stages: each stage idles "
+            f"{sched.bubble:.0%} of the step (bubble (S-1)/(M+S-1)); use at least {sched.stages} microbatches"
+        )
+    return None
+
+
+def active() -> Schedule | None:
+    """The schedule :func:`meshpar.models.layers.run_layers` follows in the enclosing trace
+    (:class:`meshpar.sharding.tracing.Trace`'s ``schedule``; None: layers run in sequence)."""
+    return tracing.current().schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Microbatches
+
+
+def split_microbatches(x: jax.Array, k: int) -> jax.Array:
+    """``[batch, ...]`` → ``[k, batch / k, ...]``, microbatch i holding rows i, i + k, i + 2k, ….
+
+    Every device's contiguous block of rows splits into k strided microbatches of its own, so
+    each microbatch takes rows from every device and no row moves between devices (the batch
+    dim's blocks stay where they are: ``[batch / k, k]`` has the same blocks on its first dim).
+    """
+    x = x.reshape(x.shape[0] // k, k, *x.shape[1:])  # [batch / k, k, ...]
+    return layout_lib.constrain(jnp.moveaxis(x, 1, 0), (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`split_microbatches`: ``[k, batch / k, ...]`` → ``[batch, ...]``."""
+    k = x.shape[0]
+    x = jnp.moveaxis(x, 0, 1)  # [batch / k, k, ...]
+    return x.reshape(x.shape[0] * k, *x.shape[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipelined stack
+
+# `run_stage(weights, x, key)`: one group's layers (weights each ``[K, ...]``) on ``x``, in order.
+RunStage = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Array]
+
+
+def run(
+    sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None
+) -> jax.Array:
+    """The layer stack `stacked` (each ``[layers, ...]`` in stored order, :func:`stored_order`)
+    on ``x [batch, ...]`` as the pipeline `sched`; returns the last layer's output, ``x``'s shape.
+
+    Inside ``jax.shard_map`` over the stage axis (every other mesh axis left to the partitioner,
+    so the layout's data, model and FSDP splits hold inside a stage as outside), stage s keeps
+    its slice of the stack and, per tick, runs one microbatch through one group of it; a
+    ``ppermute`` hands every stage's output to the next (stage S−1's to stage 0, where the
+    circular schedule re-enters it). The last stage collects each microbatch's output after its
+    last group; a ``psum`` over the stage axis gives every stage the result.
+    """
+    mesh = layout_lib.active_mesh()
+    if mesh is None:
+        raise ValueError("a pipeline runs under an active layout (meshpar.sharding.layout.activate)")
+    axis, S, M, R = sched.axis, sched.stages, sched.microbatches, sched.repeats
+    micro = split_microbatches(x, M)  # [M, batch / M, ...]
+    n_layers = next(iter(stacked.values())).shape[0]
+    K = n_layers // (S * R)  # layers per group
+    shift = [(i, (i + 1) % S) for i in range(S)]
+
+    def varying(v):
+        return jax.lax.pcast(v, axis, to="varying")
+
+    def stages(w, micro, key):
+        s = jax.lax.axis_index(axis)
+        w = {name: v.reshape(R, K, *v.shape[1:]) for name, v in w.items()}  # this stage's [R, K, ...]
+        zeros = varying(jnp.zeros_like(micro))  # [M, batch / M, ...]
+
+        def tick(carry, t):
+            state, outputs, loop = carry
+            if R > 1:
+                # What stage 0 received now is stage S−1's output of tick t − 1: microbatch
+                # (t − S) mod M after a group short of its last, kept until it re-enters.
+                back = jnp.maximum(t - S, 0) % M
+                kept = jnp.where(t >= S, state, jax.lax.dynamic_index_in_dim(loop, back, keepdims=False))
+                loop = jax.lax.dynamic_update_index_in_dim(loop, kept, back, 0)
+                fresh = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, M - 1), keepdims=False)
+                again = jax.lax.dynamic_index_in_dim(loop, t % M, keepdims=False)
+                first = jnp.where(t < M, varying(fresh), again)
+            else:
+                first = varying(jax.lax.dynamic_index_in_dim(micro, jnp.clip(t, 0, M - 1), keepdims=False))
+            h = jnp.where(s == 0, first, state)
+            i = t - s  # this stage's work item: microbatch i mod M of group i // M (idle outside 0 .. R·M − 1)
+            m, r = jnp.clip(i, 0, R * M - 1) % M, jnp.clip(i // M, 0, R - 1)
+            k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), r * S + s)
+            if R == 1:  # one group: the stage's whole slice, the same at every tick
+                out = run_stage({name: v[0] for name, v in w.items()}, h, k)
+            else:
+                # The group changes from tick to tick: the backward pass keeps each tick's copy
+                # of its weights (T copies of a group's), the circular schedule's price.
+                out = run_stage(
+                    {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}, h, k
+                )
+            done = (s == S - 1) & (i >= (R - 1) * M) & (i < R * M)
+            slot = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
+            outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, slot), m, 0)
+            state = jax.lax.ppermute(out, axis, shift)
+            return (state, outputs, loop), None
+
+        init = (zeros[0], zeros, zeros if R > 1 else zeros[:0])
+        (_, outputs, _), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
+        return jax.lax.psum(jnp.where(s == S - 1, outputs, 0), axis)
+
+    keys = () if key is None else (key,)  # dropout's key, replicated
+    in_specs = ({name: PartitionSpec(axis) for name in stacked}, PartitionSpec(), *(PartitionSpec() for _ in keys))
+    out = jax.shard_map(
+        lambda w, micro, *k: stages(w, micro, k[0] if k else None),
+        mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), axis_names={axis}, check_vma=True,
+    )(stacked, micro, *keys)  # fmt: skip
+    return merge_microbatches(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fully manual ops inside a stage
+
+Dims = tuple[str | None, ...]
+
+
+def _manual_layout(spare: str, dims: tuple[Dims, ...]) -> tuple[layout_lib.Layout, jax.sharding.AbstractMesh] | None:
+    """Inside a stage: the active layout with every mesh axis the stage leaves to the
+    partitioner that no dim of `dims` is split over added to `spare`'s split, and the stage's
+    (abstract) mesh. None outside a stage or without an active layout."""
+    abstract = jax.sharding.get_abstract_mesh()
+    manual_axes = frozenset(abstract.manual_axes)
+    layout = layout_lib.active_layout()  # the one the stage's activations follow
+    if not manual_axes or layout is None:
+        return None
+    named = {a for d in dims for entry in layout.spec(d) for a in layout_lib.mesh_axes(entry)}
+    extra = tuple(a for a in abstract.axis_names if a not in manual_axes and a not in named)
+    if extra:
+        axes = (*layout_lib.mesh_axes(layout.axis(spare)), *extra)
+        rules = (*((d, a) for d, a in layout.rules if d != spare), (spare, axes[0] if len(axes) == 1 else axes))
+        layout = dataclasses.replace(layout, rules=rules)
+    return layout, abstract
+
+
+def manual_problem(shapes: tuple[tuple[int, ...], ...], in_dims: tuple[Dims, ...], spare: str) -> str | None:
+    """Why :func:`manual` cannot split arguments of `shapes` (None when it can, or outside a stage)."""
+    found = _manual_layout(spare, in_dims)
+    if found is None:
+        return None
+    try:
+        for shape, dims in zip(shapes, in_dims):
+            found[0].check_shape(dims, shape)
+    except layout_lib.LayoutError as e:
+        return str(e)
+    return None
+
+
+def manual(f: Callable, in_dims: tuple[Dims, ...], out_dims: Dims, spare: str) -> Callable:
+    """`f` made fully manual inside a pipeline stage: a nested ``jax.shard_map`` over every mesh
+    axis the stage leaves to the partitioner, each argument split by the active layout's rule
+    for its logical dims (`in_dims`, one tuple per argument; `out_dims`, the result's), so `f`
+    runs on one device's block. Outside a stage (no manual mesh axis) or without an active
+    layout, `f` itself.
+
+    An op with its own partitioning rule (``custom_partitioning``, as jax's cuDNN fused
+    attention has) cannot be partitioned in a partially manual region: the partitioner hands
+    the rule a ``GSPMDSharding`` where it reads a ``NamedSharding``'s spec. Fully manual, the op
+    is never partitioned. A dim named None is whole on every device (the partitioner gathers it
+    at the edge where the layout splits it). A mesh axis the layout splits none of the dims
+    over is added to the split of dim `spare` (which every argument and the result have), so
+    the op does its share of the work, not a copy of all of it; :func:`manual_problem` says
+    when `spare` does not divide.
+
+    The gradient is written out (a ``custom_vjp``): the forward region runs `f`'s own forward
+    pass and returns its residuals, one block per device; the backward region runs `f`'s own
+    backward pass on them. jax's autodiff of a nested region gets the residuals' specs wrong
+    (jax 0.10 to 0.12): it names the stage's manual axis in them, which the lowering rejects.
+    For the same reason `f`'s forward pass must hold no constant that the loop around it would
+    hoist out as a residual of the region (jax makes a literal meeting a per-device value
+    per-device too); cuDNN's call, one primitive each way, holds none.
+    """
+    found = _manual_layout(spare, (*in_dims, out_dims))
+    if found is None:
+        return f
+    layout, abstract = found
+    free = frozenset(abstract.axis_names) - frozenset(abstract.manual_axes)
+    in_specs, out_spec = tuple(layout.spec(d) for d in in_dims), layout.spec(out_dims)
+    # A residual of any shape: each device's own, stacked along a new leading dim.
+    blocks = PartitionSpec(tuple(a for a in abstract.axis_names if a in free))
+
+    def region(body, in_specs, out_specs):
+        return jax.shard_map(body, mesh=abstract, in_specs=in_specs, out_specs=out_specs, axis_names=free)
+
+    pullback_tree = []  # the structure of f's backward pass, from the forward region's trace
+
+    def forward(*args):
+        out, pullback = jax.vjp(f, *args)
+        leaves, tree = jax.tree.flatten(pullback)
+        pullback_tree[:] = [tree]
+        return out, [x[None] for x in leaves]
+
+    def backward(residuals, g):
+        return jax.tree.unflatten(pullback_tree[0], [x[0] for x in residuals])(g)
+
+    @jax.custom_vjp
+    def call(*args):
+        return region(f, in_specs, out_spec)(*args)
+
+    def call_fwd(*args):
+        return region(forward, in_specs, (out_spec, blocks))(*args)
+
+    def call_bwd(residuals, g):
+        return region(backward, (blocks, out_spec), in_specs)(residuals, g)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored order of the layer stack
+
+
+def stored_order(n_layers: int, sched: Schedule | None) -> np.ndarray:
+    """The canonical layer held at each position of the stored ``layers`` dim: stage s's slice
+    holds its groups r = 0 .. R−1, group r being canonical block ``r·S + s`` of ``L / (S·R)``
+    layers. The identity unless the schedule is circular with repeats > 1."""
+    if sched is None or sched.repeats == 1:
+        return np.arange(n_layers)
+    S, R = sched.stages, sched.repeats
+    K = n_layers // (S * R)
+    return np.arange(n_layers).reshape(R, S, K).transpose(1, 0, 2).reshape(-1)
+
+
+def _has_layers(x) -> bool:
+    if not isinstance(x, nnx.Variable):
+        return False
+    dims = x.get_metadata().get("dims") or ()
+    return bool(dims) and dims[0] == "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reorder:
+    """Moves a tree of variables with dims (parameters, optimizer state, a train state) between
+    the canonical layer order checkpoints hold and the order `sched` stores (:func:`stored_order`):
+    every variable whose first dim is ``layers`` is taken along it. Traceable; `identity` when the
+    orders agree (no schedule, gpipe, or one repeat), and then it returns the tree as it is."""
+
+    sched: Schedule | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.sched is None or self.sched.repeats == 1
+
+    def to_stored(self, tree):
+        """Canonical → stored."""
+        return self._take(tree, lambda n: stored_order(n, self.sched))
+
+    def to_canonical(self, tree):
+        """Stored → canonical."""
+        return self._take(tree, lambda n: np.argsort(stored_order(n, self.sched)))
+
+    def _take(self, tree, index: Callable[[int], np.ndarray]):
+        if self.identity:
+            return tree
+
+        def one(x):
+            if _has_layers(x):
+                v = x.get_value()
+                return x.replace(jnp.take(v, index(v.shape[0]), axis=0))
+            return x
+
+        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
