@@ -22,7 +22,7 @@ from meshpar.plan import topology
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.search import candidates
 from meshpar.plan.search import layouts as search
-from meshpar.run import parts, throughput
+from meshpar.run import inputs, parts, throughput
 from meshpar.run.metrics import read_jsonl
 
 NAME = "tests.test_outside_family:FAMILY"  # imported from the working directory, the repository root
@@ -173,3 +173,9 @@ def test_the_builtin_families_traits_are_their_conventional_reading(cfg):
     family = models.family(cfg.name)
     if own.stack_layers is not None:  # the stack is the layer loop
         assert own.stack_layers == family.num_layers(cfg) == cfg.n_layers
+
+
+def test_the_vocabulary_check_names_the_familys_field():
+    with pytest.raises(ConfigError, match=r"^model\.vocab: 200 but data\.tokenizer .* has 256 tokens$"):
+        inputs.check_vocab(_cfg("model.vocab=200"))
+    inputs.check_vocab(_cfg())  # 256: the byte tokenizer's

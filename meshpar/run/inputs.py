@@ -97,10 +97,10 @@ def check_vocab(cfg: Config) -> None:
     """A model whose vocabulary is smaller than the tokenizer's would index past its embedding
     (XLA clamps the lookup silently): refused before the corpus is read. Reads only the
     tokenizer file (or a prepared corpus's manifest)."""
-    vocab = models.traits(cfg.model).vocab_size
-    if vocab is not None:
+    traits = models.traits(cfg.model)
+    if traits.vocab_size is not None:
         tokenizer = functools.partial(load_tokenizer, cfg.data, cfg.checkpoint.init_from)
-        sources.of(cfg.data).check_vocab(cfg.data, vocab, tokenizer)
+        sources.of(cfg.data).check_vocab(cfg.data, traits.vocab_size, tokenizer, traits.key("vocab_size"))
 
 
 def tokenizer_sha256(data: DataConfig, init_from: str = "") -> str | None:

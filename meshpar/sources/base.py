@@ -80,9 +80,10 @@ class Source:
         corpus); None: data.tokenizer, as the run resolves it."""
         return None
 
-    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer) -> None:
+    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer, key: str) -> None:
         """Refuse a model vocabulary smaller than its token ids need (reading only a tokenizer
-        file or a manifest); sources of no token ids have nothing to check."""
+        file or a manifest), as a ConfigError on `key` (the family's vocabulary field); sources
+        of no token ids have nothing to check."""
 
     def tokenizer_sha256(self, data: Any, spec: Callable[[], str]) -> str | None:
         """The sha256 of the tokenizer.json its token ids come from; None: bytes, or no token ids.
@@ -99,12 +100,10 @@ class TokenizedText(Source):
     def element_spec(self, data: Any, seed: int, tokenizer: LoadTokenizer) -> Spec:
         return {"tokens": ((data.length + 1,), tokenizer().dtype)}
 
-    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer) -> None:
+    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer, key: str) -> None:
         loaded = tokenizer()
         if vocab_size < loaded.vocab_size:
-            raise ConfigError(
-                "model.vocab_size", f"{vocab_size} but data.tokenizer {loaded.name} has {loaded.vocab_size} tokens"
-            )
+            raise ConfigError(key, f"{vocab_size} but data.tokenizer {loaded.name} has {loaded.vocab_size} tokens")
 
     def tokenizer_sha256(self, data: Any, spec: Callable[[], str]) -> str | None:
         name = spec()

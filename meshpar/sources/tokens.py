@@ -49,13 +49,11 @@ class Tokens(Source):
                 )
         return own
 
-    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer) -> None:
+    def check_vocab(self, data: Any, vocab_size: int, tokenizer: LoadTokenizer, key: str) -> None:
         self.own_tokenizer(data)  # data.tokenizer, when set, must be the corpus's
         have = tokens_lib.corpus_vocab_size(data.path)
         if vocab_size < have:
-            raise ConfigError(
-                "model.vocab_size", f"{vocab_size} but the corpus {data.path} was tokenized with a vocabulary of {have}"
-            )
+            raise ConfigError(key, f"{vocab_size} but the corpus {data.path} was tokenized with a vocabulary of {have}")
 
     def tokenizer_sha256(self, data: Any, spec: Callable[[], str]) -> str | None:
         made = tokens_lib.read_manifest(data.path)["tokenizer"]
