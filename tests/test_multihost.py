@@ -6,7 +6,6 @@ The CLI runs in subprocesses; the helpers here are also used by tests/test_distr
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]
 runs = script("train_runs")
+free_port = runs.free_port  # also test_distributed's
 
 CONFIG = """
 mesh: data:4,model:2
@@ -40,12 +40,6 @@ FAST = (
 )
 EVERY = 4  # checkpoint cadence of the reference run and of the killed one
 STOPPED = r"stopped by SIGTERM at step (\d+); checkpoint saved at step (\d+)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(path, workdir, *overrides, env, each=((), ()), resume=False) -> list[subprocess.Popen]:
