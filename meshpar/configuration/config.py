@@ -486,6 +486,7 @@ def check(cfg: Config) -> None:
     if source.token_windows and model.max_length is not None and cfg.data.length > model.max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
+    _check_experts(cfg, dict(cfg.mesh))
     block, attention = model.attention_block, model.attention
     if (
         source.token_windows
@@ -533,6 +534,31 @@ def _check_offload(cfg: Config) -> None:
             f"{setting} needs a layer loop, but {model.key('scan_unroll')} {model.scan_unroll} unrolls all "
             f"{layers} layers (use 0 or fewer than {layers})",
         )
+
+
+def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
+    """A mixture-of-experts model's experts divide by the mesh axes a rule (``layout`` or
+    ``param_layout``) splits ``experts`` over, and run without a stage axis (the layer loop
+    hands the MoE layers' statistics back, which a pipeline's stages do not). A -1 axis is
+    skipped as in :func:`check_batch_size`."""
+    model = models_lib.traits(cfg.model)
+    if not model.experts:
+        return
+    for key, rules in (("layout", cfg.layout), ("param_layout", cfg.param_layout)):
+        named = dict(layout_lib.on_mesh(rules, mesh_shape))
+        axes = layout_lib.mesh_axes(named.get("experts"))
+        ways = math.prod(mesh_shape[a] for a in axes)
+        if axes and ways > 0 and model.experts % ways:
+            raise ConfigError(
+                model.key("experts"),
+                f"{model.experts} experts do not divide by the {ways} ways {key} "
+                f"experts:{layout_lib.format_axes(named['experts'])} splits them",
+            )
+        if key == "layout" and "layers" in named:
+            raise ConfigError(
+                "layout", f"layers:{layout_lib.format_axes(named['layers'])}: a stage axis cannot run "
+                f"mixture-of-experts layers ({model.key('experts')} {model.experts})",
+            )  # fmt: skip
 
 
 def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:

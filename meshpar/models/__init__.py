@@ -102,6 +102,9 @@ class Traits:
     # None: the model has no such loop (offload.activations needs one).
     scan_layers: bool | None = None
     scan_unroll: int = 0  # layers per iteration of that scan (0: the backend's choice)
+    # Experts of each mixture-of-experts layer (their weights' "experts" dim, which a layout may
+    # split over a mesh axis it must divide by). 0: no experts.
+    experts: int = 0
     # The config field behind each trait above, by the trait's name ({"stack_layers": "n_layers"}):
     # the key a one-line error names (:meth:`key`), and the field the planner sets to vary a
     # trait (remat, scan_unroll: :func:`with_settings`). A trait without one is never changed.

@@ -65,7 +65,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import attention as attention_lib
 from meshpar.models import kv_cache, layers
+from meshpar.models import moe as moe_lib
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
+from meshpar.sharding import layout as layout_lib
 from meshpar.sharding.layout import constrain, use
 
 EMBED = ("batch", "length", "embed")
@@ -96,6 +98,15 @@ class DecoderConfig:
     attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
     attention_block: int = 512
     scan_unroll: int = 0
+    # Mixture of experts (meshpar.models.moe); 0 experts: every MLP dense.
+    moe_experts: int = 0  # "experts" per MoE layer
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_every: int = 1  # every moe_every-th layer is an MoE layer (the last of each group)
+    moe_capacity_factor: float = 1.25  # capacity dispatch: slots per expert over an even share
+    moe_group_size: int = 1024  # capacity dispatch: tokens per routing group (at most)
+    moe_dispatch: Literal["capacity", "dropless"] = "capacity"
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+    moe_z_coef: float = 0.001  # weight of the router z-loss
 
     @property
     def kv_dim(self) -> str:
@@ -116,11 +127,29 @@ def configure(cfg: Any, **switches: Any) -> DecoderConfig:
 
 
 MLP_PARAMS = {"gelu": ("w_in", "w_out"), "swiglu": ("w_gate", "w_up", "w_down")}
+ATTN_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")  # every layer's, with the MLP's norm
+
+
+def moe_layers(cfg: DecoderConfig) -> int:
+    """The MoE layers: the last of each group of ``moe_every`` (0 for a dense model)."""
+    return cfg.n_layers // cfg.moe_every if cfg.moe_experts else 0
 
 
 def block_params(cfg: DecoderConfig) -> tuple[str, ...]:
-    """The names of a layer's parameters (``blocks/<name>``), in the order they are drawn."""
-    return ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", *MLP_PARAMS[cfg.mlp])
+    """The names of a layer's parameters (``blocks/<name>``), in the order they are drawn: with
+    experts, the dense layers' MLP (when any) and then the MoE layers' (:mod:`meshpar.models.moe`)."""
+    dense = MLP_PARAMS[cfg.mlp] if cfg.n_layers > moe_layers(cfg) else ()
+    return (*ATTN_PARAMS, *dense, *(moe_lib.param_names(cfg.mlp) if cfg.moe_experts else ()))
+
+
+def stack_size(cfg: DecoderConfig, name: str) -> int:
+    """The leading ``layers`` dim of block parameter `name`: every layer's attention, the dense
+    layers' MLP, the MoE layers' experts and router."""
+    if name in moe_lib.DIMS:
+        return moe_layers(cfg)
+    if name in ATTN_PARAMS:
+        return cfg.n_layers
+    return cfg.n_layers - moe_layers(cfg)
 
 
 def block_dims(cfg: DecoderConfig) -> dict[str, tuple[str, ...]]:
@@ -131,6 +160,7 @@ def block_dims(cfg: DecoderConfig) -> dict[str, tuple[str, ...]]:
         "mlp_norm": ("embed",),
         "w_in": ("embed", "d_ff"), "w_out": ("d_ff", "embed"),
         "w_gate": ("embed", "d_ff"), "w_up": ("embed", "d_ff"), "w_down": ("d_ff", "embed"),
+        **moe_lib.DIMS,
     }  # fmt: skip
     return {name: dims[name] for name in block_params(cfg)}
 
@@ -142,14 +172,26 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+def block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array,
+          key: jax.Array | None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
     """One layer on ``x [batch, length, embed]`` in training; `p` holds this layer's (unstacked)
-    weights, `key` its dropout key (None: no dropout)."""
+    weights, `key` its dropout key (None: no dropout). With experts, one group of ``moe_every``
+    layers (:meth:`Blocks.stacked`), the last an MoE layer, and that layer's statistics
+    (:func:`meshpar.models.moe.moe`) besides x."""
 
     def attend(q, k, v):
         return attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), None
 
-    return layer(cfg, p, x, attend, None, key)[0]
+    if not cfg.moe_experts:
+        return layer(cfg, p, x, attend, None, key)[0]
+    n = cfg.moe_every
+    keys = [None] * n if key is None else list(jax.random.split(key, n))
+    for i in range(n - 1):  # the group's dense layers
+        own = {name: p[name][i] for name in (*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp])}
+        x = _layer(cfg, own, x, attend, None, keys[i])[0]
+    own = {**{name: p[name][n - 1] for name in ATTN_PARAMS}, **{name: p[name] for name in moe_lib.param_names(cfg.mlp)}}
+    x, _, stats = _layer(cfg, own, x, attend, None, keys[n - 1])
+    return x, stats
 
 
 def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
@@ -157,6 +199,13 @@ def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_
     """One layer with its attention core `attend(q, k, v) -> (context, cache)`: the whole window
     in training (:func:`block`, dropout keyed by `key`), the new tokens against the key/value
     cache in decoding, the tokens at `positions` ``[batch, length]`` (None: ``0 .. length - 1``)."""
+    return _layer(cfg, p, x, attend, positions, key)[:2]
+
+
+def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
+           positions: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, object, dict | None]:  # fmt: skip
+    """:func:`layer`, and an MoE layer's statistics (None for a dense one): an MoE layer is one
+    whose `p` holds a router."""
     dt, eps, dims = DTYPES[cfg.compute_dtype], cfg.norm_eps, block_dims(cfg)
     k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
 
@@ -177,40 +226,64 @@ def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_
     attn = checkpoint_name(dense(o, w("wo", dt), 2), "attn_out")  # [batch, length, embed]
     x = checkpoint_name(constrain(x + dropout(attn, cfg.dropout, k_attn), EMBED), "attn_residual")
     h = checkpoint_name(rms_norm(x, w("mlp_norm"), eps), "mlp_in")
-    if cfg.mlp == "swiglu":
-        f, out = jax.nn.silu(dense(h, w("w_gate", dt))) * dense(h, w("w_up", dt)), "w_down"
+    stats = None
+    if "router" in p:
+        mlp, stats = moe_lib.moe(cfg, p, h)  # [batch, length, embed]
     else:
-        f, out = jax.nn.gelu(dense(h, w("w_in", dt))), "w_out"
-    f = checkpoint_name(constrain(f, ("batch", "length", "d_ff")), "mlp_hidden")
-    mlp = dense(f, w(out, dt))  # [batch, length, embed]
-    return constrain(x + dropout(mlp, cfg.dropout, k_mlp), EMBED), cache
+        if cfg.mlp == "swiglu":
+            f, out = jax.nn.silu(dense(h, w("w_gate", dt))) * dense(h, w("w_up", dt)), "w_down"
+        else:
+            f, out = jax.nn.gelu(dense(h, w("w_in", dt))), "w_out"
+        f = checkpoint_name(constrain(f, ("batch", "length", "d_ff")), "mlp_hidden")
+        mlp = dense(f, w(out, dt))  # [batch, length, embed]
+    return constrain(x + dropout(mlp, cfg.dropout, k_mlp), EMBED), cache, stats
 
 
 class Blocks(nnx.Module):
     """All `n_layers` layers, every parameter stacked along a leading ``layers`` dim."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-        n, d, f, pd = cfg.n_layers, cfg.d_model, cfg.d_ff, DTYPES[cfg.param_dtype]
+        d, f, pd = cfg.d_model, cfg.d_ff, DTYPES[cfg.param_dtype]
         self.cfg = cfg
-        sizes = {"embed": d, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "kv": cfg.d_head, "d_ff": f}
+        sizes = {"embed": d, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "kv": cfg.d_head, "d_ff": f,
+                 "experts": cfg.moe_experts}  # fmt: skip
         fan_in = {"wq": d, "wk": d, "wv": d, "wo": cfg.n_heads * cfg.d_head, "w_in": d, "w_out": f,
-                  "w_gate": d, "w_up": d, "w_down": f}  # fmt: skip
+                  "w_gate": d, "w_up": d, "w_down": f, "router": d, "experts_gate": d, "experts_up": d,
+                  "experts_down": f, "experts_in": d, "experts_out": f}  # fmt: skip
         for name, dims in block_dims(cfg).items():
-            shape = (n, *(sizes[dim] for dim in dims))
+            shape = (stack_size(cfg, name), *(sizes[dim] for dim in dims))
             if name in fan_in:
                 setattr(self, name, param(rngs, shape, ("layers", *dims), fan_in[name] ** -0.5, pd))
             else:  # a norm's scale
                 setattr(self, name, ones(shape, ("layers", *dims), pd))
 
-    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        return layers.run_layers(self.cfg, functools.partial(block, self.cfg), self.stacked(), x, key)
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The stack on ``x [batch, length, embed]``: its output and each MoE layer's statistics,
+        each ``[moe layers]`` (none for a dense model)."""
+        run = functools.partial(layers.run_layers, self.cfg, functools.partial(block, self.cfg), self.stacked(), x, key)
+        return run(aux=True) if self.cfg.moe_experts else (run(), {})
 
     def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
+        if self.cfg.moe_experts:
+            raise NotImplementedError("generation from a mixture-of-experts model is not supported yet")
         layer_fn = functools.partial(layer, self.cfg)
         return kv_cache.run_layers(layer_fn, self.stacked(), x, cache, layers.scan_unroll(self.cfg))
 
     def stacked(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in block_params(self.cfg)}  # each [layers, ...]
+        """Each block parameter stacked along a leading dim the layer loop runs over: ``[layers,
+        ...]``; with experts ``[groups, ...]``, a group of ``moe_every`` layers: attention
+        ``[groups, moe_every, ...]``, the dense MLPs ``[groups, moe_every - 1, ...]``, the MoE
+        layer's ``[groups, ...]`` (free reshapes of the stored stacks, which a stage axis never
+        splits under experts)."""
+        cfg = self.cfg
+        stacked = {name: getattr(self, name)[...] for name in block_params(cfg)}
+        if not cfg.moe_experts:
+            return stacked  # each [layers, ...]
+        groups, n = moe_layers(cfg), cfg.moe_every
+        for name, w in stacked.items():
+            if name not in moe_lib.DIMS:
+                stacked[name] = w.reshape(groups, n if name in ATTN_PARAMS else n - 1, *w.shape[1:])
+        return stacked
 
 
 def check(cfg: DecoderConfig, length: int) -> str | None:
@@ -225,6 +298,19 @@ def check(cfg: DecoderConfig, length: int) -> str | None:
         return f"attention_block {cfg.attention_block} does not divide the sequence length {length}"
     if not 0.0 <= cfg.dropout < 1.0:
         return f"dropout must be in [0, 1), got {cfg.dropout}"
+    return check_moe(cfg)
+
+
+def check_moe(cfg: DecoderConfig) -> str | None:
+    """What makes `cfg`'s experts unable to run (top-k, capacity factor, the MoE layers' spacing), or None."""
+    if not cfg.moe_experts:
+        return None
+    if not 1 <= cfg.moe_top_k <= cfg.moe_experts:
+        return f"moe_top_k {cfg.moe_top_k} must be in [1, moe_experts {cfg.moe_experts}]"
+    if not cfg.moe_capacity_factor > 0:
+        return f"moe_capacity_factor must be > 0, got {cfg.moe_capacity_factor}"
+    if cfg.moe_every < 1 or cfg.n_layers % cfg.moe_every:
+        return f"moe_every {cfg.moe_every} does not divide n_layers {cfg.n_layers}"
     return None
 
 
@@ -250,13 +336,18 @@ class Decoder(nnx.Module):
     def __call__(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         """``inputs`` int [batch, length] → logits float32 [batch, length, vocab] (dropout keyed
         by `rngs`, when given)."""
+        return self.forward(inputs, rngs)[0]
+
+    def forward(self, inputs: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """:meth:`__call__`'s logits and each MoE layer's statistics (:meth:`Blocks.__call__`)."""
         cfg = self.cfg
         train = rngs is not None and cfg.dropout > 0.0
         k_embed, k_blocks = jax.random.split(rngs.dropout()) if train else (None, None)
         x = self.embedded(inputs)
         if k_embed is not None:
             x = constrain(dropout(x, cfg.dropout, k_embed), EMBED)
-        return self.logits(self.blocks(x, k_blocks))
+        x, stats = self.blocks(x, k_blocks)
+        return self.logits(x), stats
 
     def embedded(self, inputs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``inputs`` int [batch, length] (at `positions` [batch, length], or ``0 .. length - 1``)
@@ -296,8 +387,26 @@ class Decoder(nnx.Module):
         return self.logits(x[:, -1:])[:, 0], cache
 
     def loss(self, batch: dict[str, jax.Array], rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy and accuracy (:func:`meshpar.models.layers.next_token_loss`)."""
-        return layers.next_token_loss(lambda inputs: self(inputs, rngs), batch)
+        """Mean next-token cross-entropy and accuracy (:func:`meshpar.models.layers.next_token_loss`);
+        with experts, plus each MoE layer's load-balancing and z-losses times their coefficients,
+        and per MoE layer ``moe<layer>_balance``, ``_z`` and ``_dropped`` (and ``cross_entropy``)
+        in the metrics."""
+        stats: dict[str, jax.Array] = {}
+
+        def logits(inputs: jax.Array) -> jax.Array:
+            out, layer_stats = self.forward(inputs, rngs)
+            stats.update(layer_stats)
+            return out
+
+        loss, metrics = layers.next_token_loss(logits, batch)
+        if not self.cfg.moe_experts:
+            return loss, metrics
+        cfg = self.cfg
+        total = loss + cfg.moe_aux_coef * jnp.sum(stats["balance"]) + cfg.moe_z_coef * jnp.sum(stats["z"])
+        for i in range(moe_layers(cfg)):
+            at = (i + 1) * cfg.moe_every - 1  # the layer's index in the stack
+            metrics.update({f"moe{at}_{name}": values[i] for name, values in stats.items()})
+        return total, {**metrics, "cross_entropy": loss}
 
 
 def build(cfg: DecoderConfig, element_spec: dict, rngs: nnx.Rngs) -> Decoder:
@@ -308,19 +417,30 @@ def build(cfg: DecoderConfig, element_spec: dict, rngs: nnx.Rngs) -> Decoder:
 # Sizes and FLOPs
 
 
-def _layer_weights(cfg: DecoderConfig) -> int:
-    """The weights of one layer's matmuls: q and the output (``n_heads`` heads), k and v (the
-    key/value heads), the MLP's two or three matrices."""
+def _layer_weights(cfg: DecoderConfig, moe_layer: bool = False) -> int:
+    """The weights one token meets in one layer's matmuls: q and the output (``n_heads`` heads),
+    k and v (the key/value heads), the MLP's two or three matrices; in an MoE layer those of
+    the ``moe_top_k`` experts it is routed to, and the router."""
     attn = 2 * cfg.d_model * (cfg.n_heads + cfg.kv_heads) * cfg.d_head
-    return attn + len(MLP_PARAMS[cfg.mlp]) * cfg.d_model * cfg.d_ff
+    mlp = len(MLP_PARAMS[cfg.mlp]) * cfg.d_model * cfg.d_ff
+    return attn + (cfg.moe_top_k * mlp + cfg.d_model * cfg.moe_experts if moe_layer else mlp)
+
+
+def _moe_flags(cfg: DecoderConfig) -> tuple[bool, ...]:
+    """Whether each layer of the stack is an MoE layer (the last of each group of ``moe_every``)."""
+    return tuple(bool(cfg.moe_experts) and (i + 1) % cfg.moe_every == 0 for i in range(cfg.n_layers))
 
 
 def num_params(cfg: DecoderConfig) -> int:
-    """Every parameter: embedding, positions (learned: max_length × d_model), layers, norms, output."""
+    """Every parameter: embedding, positions (learned: max_length × d_model), layers (every
+    expert of an MoE layer, and its router), norms, output."""
     d, v = cfg.d_model, cfg.vocab_size
     pos = cfg.max_length * d if cfg.positions == "learned" else 0
     untied = d * v if cfg.tie_embeddings == "none" else 0
-    return v * d + pos + cfg.n_layers * (_layer_weights(cfg) + 2 * d) + d + untied
+    moe = moe_layers(cfg)
+    experts = moe * (cfg.moe_experts - cfg.moe_top_k) * len(MLP_PARAMS[cfg.mlp]) * d * cfg.d_ff  # the idle ones
+    weights = sum(_layer_weights(cfg, flag) for flag in _moe_flags(cfg)) + experts
+    return v * d + pos + weights + cfg.n_layers * 2 * d + d + untied
 
 
 def flops_per_token(cfg: DecoderConfig, length: int) -> float:
@@ -335,9 +455,11 @@ def flops_per_token(cfg: DecoderConfig, length: int) -> float:
     for GELU, 3 for SwiGLU), and the output projection (tied or not); the embedding lookup,
     position table and norms do no matmul FLOPs. Attention's QKᵀ and AV (2 matmuls × 2 FLOPs × 3
     for backward) run per *query* head over the full ``length`` (not halved for the causal
-    mask), so grouped key/value heads do not shrink them.
+    mask), so grouped key/value heads do not shrink them. An MoE layer counts the ``moe_top_k``
+    experts a token is routed to (``moe_top_k * m * d_model * d_ff``) and the router
+    (``d_model * moe_experts``), not the idle experts nor the capacity's padding.
     """
-    n = cfg.n_layers * _layer_weights(cfg) + cfg.d_model * cfg.vocab_size
+    n = sum(_layer_weights(cfg, flag) for flag in _moe_flags(cfg)) + cfg.d_model * cfg.vocab_size
     return float(6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * length)
 
 
@@ -375,8 +497,8 @@ def layer_flops(cfg: DecoderConfig, element_spec: dict) -> tuple[float, ...]:
     """Training FLOPs of one window in each layer: :func:`flops_per_token`'s per-layer terms
     (the layer's matmul weights and attention's two contractions) × the length."""
     length = layers.window_length(element_spec)
-    per_token = 6 * _layer_weights(cfg) + 12 * cfg.n_heads * cfg.d_head * length
-    return (float(per_token * length),) * cfg.n_layers
+    attention = 12 * cfg.n_heads * cfg.d_head * length
+    return tuple(float((6 * _layer_weights(cfg, flag) + attention) * length) for flag in _moe_flags(cfg))
 
 
 # The decoder's field behind each trait other code reads (meshpar.models.Traits).
@@ -384,7 +506,7 @@ TRAIT_FIELDS = {
     "stack_layers": "n_layers", "width": "d_model", "compute_dtype": "compute_dtype", "param_dtype": "param_dtype",
     "remat": "remat", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
     "attention_block": "attention_block", "vocab_size": "vocab_size", "scan_layers": "scan_layers",
-    "scan_unroll": "scan_unroll",
+    "scan_unroll": "scan_unroll", "experts": "moe_experts",
 }  # fmt: skip
 
 
@@ -400,8 +522,16 @@ def traits(cfg: DecoderConfig, family_cfg: Any) -> dict[str, Any]:
 def layout_rules(cfg: DecoderConfig, rules: tuple, axis_sizes: Mapping[str, int]) -> tuple:
     """`rules` with ``kv_heads`` (grouped key/value heads) following ``heads`` where the layout
     splits ``heads``, names no rule for ``kv_heads``, and ``n_kv_heads`` divides by the split;
-    otherwise the key/value heads stay whole on every device."""
+    otherwise the key/value heads stay whole on every device. With experts, also
+    ``expert_groups`` (the token groups while they sit with their experts,
+    :mod:`meshpar.models.moe`) over the batch's mesh axes less those of ``experts``, unless the
+    layout names a rule of its own for it."""
     named = dict(rules)
+    if cfg.moe_experts and "expert_groups" not in named and "batch" in named:
+        experts = set(layout_lib.mesh_axes(named.get("experts")))
+        left = tuple(a for a in layout_lib.mesh_axes(named["batch"]) if a not in experts)
+        if left:
+            rules = (*rules, ("expert_groups", left[0] if len(left) == 1 else left))
     if cfg.n_kv_heads is None or "kv_heads" in named or "heads" not in named:
         return rules
     axes = named["heads"]

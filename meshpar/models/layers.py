@@ -104,19 +104,27 @@ def scan_unroll(cfg) -> int:
 Block = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Array]
 
 
-def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None,
+               aux: bool = False):  # fmt: skip
     """``block(p, x, key)`` over the `cfg.n_layers` layers of `stacked` (each ``[layers, ...]``),
     under ``cfg.remat``'s ``jax.checkpoint`` policy: the scan body and the unrolled loop run the
     same function, so parameters, checkpoints and results do not depend on the form. Under a
     stage axis (``layers:<axis>`` in the layout) the stack runs as a pipeline of stages
-    (:mod:`meshpar.sharding.stages`), each stage's layers this same way."""
+    (:mod:`meshpar.sharding.stages`), each stage's layers this same way.
+
+    With `aux`, `block` returns ``(x, values)`` (an MoE layer's statistics) and this returns x
+    and the values stacked along a leading dim of the layers; a pipeline hands only x from
+    stage to stage, so `aux` is refused under a stage axis."""
     sched = pipeline.active()
     if sched is not None:
+        if aux:
+            raise ValueError("a stage axis (layers:<axis>) cannot run layers with statistics (mixture of experts)")
         return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k), stacked, x, key)
-    return _in_order(cfg, block, stacked, x, key)
+    return _in_order(cfg, block, stacked, x, key, aux)
 
 
-def _in_order(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None) -> jax.Array:
+def _in_order(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None,
+              aux: bool = False):  # fmt: skip
     """The layers of `stacked` (all of them, or a pipeline stage's group) one after the other."""
     n = next(iter(stacked.values())).shape[0]
     keys = None if key is None else jax.random.split(key, n)  # [layers] keys
@@ -127,14 +135,18 @@ def _in_order(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, ke
 
         def body(carry, xs):
             p, k = xs
-            return layer(p, carry, k), None
+            out = layer(p, carry, k)
+            return out if aux else (out, None)
 
-        x, _ = jax.lax.scan(body, x, (stacked, keys), unroll=unroll)
-        return x
+        x, ys = jax.lax.scan(body, x, (stacked, keys), unroll=unroll)
+        return (x, ys) if aux else x
+    ys = []
     for i in range(n):
         p = {name: w[i] for name, w in stacked.items()}
-        x = layer(p, x, None if keys is None else keys[i])
-    return x
+        out = layer(p, x, None if keys is None else keys[i])
+        x, y = out if aux else (out, None)
+        ys.append(y)
+    return (x, jax.tree.map(lambda *v: jnp.stack(v), *ys)) if aux else x
 
 
 def window_length(element_spec: dict) -> int:

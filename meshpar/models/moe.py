@@ -1,0 +1,198 @@
+"""The mixture-of-experts MLP of the decoder (:mod:`meshpar.models.decoder`): Mesh TensorFlow's
+``moe`` layer, GShard and Switch Transformer with capacity, Mixtral's top-k routing, in logical
+dims only.
+
+``h [batch, length, embed]`` → router logits ``[batch, length, experts]`` (float32, weights
+``router (embed, experts)``) → softmax over the experts → each token's top ``k`` experts, their
+probabilities renormalised over the k (Mixtral); with ``k = 1`` the probability is kept as it
+is (Switch), as renormalised it would always be 1 and the router would get no gradient from
+the loss → each chosen expert's MLP (SwiGLU: ``experts_gate``, ``experts_up`` ``(experts,
+embed, d_ff)``, ``experts_down`` ``(experts, d_ff, embed)``; GELU: ``experts_in``,
+``experts_out``) → the outputs summed with those weights.
+
+Dispatch (``moe_dispatch``):
+
+* ``capacity`` (GShard, Switch, Mesh TensorFlow): the ``batch·length`` tokens are cut into
+  groups of ``moe_group_size`` (the largest divisor of ``batch·length`` not above it, so the
+  groups, and so which tokens are dropped, depend on the batch alone, never on the mesh); each
+  expert takes at most ``capacity = ceil(capacity_factor · group · k / experts)`` of a group's
+  tokens, every token's first choice before any second choice, in token order; the rest are
+  dropped (their expert contributes nothing; the residual carries the token). Tokens move by
+  one-hot einsums into ``[groups, experts, capacity, embed]``, placed first like the tokens
+  (groups by ``batch``), then by expert (``experts``, with groups over ``expert_groups``: the
+  batch's mesh axes less the experts', a rule the decoder's :func:`layout_rules` derives), so
+  where the layout puts ``experts`` on an axis the batch is split over, XLA moves the tokens by
+  all-to-all, and back the same way.
+* ``dropless`` (MegaBlocks-style): every assignment runs; the ``batch·length·k`` assignments
+  are sorted by expert and each expert's run is one ``jax.lax.ragged_dot``. The sort is over
+  all tokens, and ragged_dot has no partitioning rule for a split group dim, so this mode
+  needs the experts replicated (no layout rule for ``experts``: a one-line layout error
+  otherwise).
+
+Per layer (:func:`moe`): the Switch load-balancing loss ``E · Σ_e f_e · p_e`` (``f_e`` the
+share of the ``tokens · k`` assignments routed to expert e, ``p_e`` its mean router
+probability), the ST-MoE router z-loss (mean ``logsumexp(logits)²``) and the share of
+assignments dropped; the decoder adds the losses, times ``moe_aux_coef`` and ``moe_z_coef``,
+to the training loss and reports all three per MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from meshpar.models.layers import DTYPES
+from meshpar.sharding import layout as layout_lib
+from meshpar.sharding.layout import constrain, use
+
+# An MoE layer's parameters by MLP kind (besides the router), and every one's dims without the
+# leading ``layers`` of its stack.
+PARAMS = {"swiglu": ("experts_gate", "experts_up", "experts_down"), "gelu": ("experts_in", "experts_out")}
+DIMS = {
+    "router": ("embed", "experts"),
+    "experts_gate": ("experts", "embed", "d_ff"), "experts_up": ("experts", "embed", "d_ff"),
+    "experts_down": ("experts", "d_ff", "embed"),
+    "experts_in": ("experts", "embed", "d_ff"), "experts_out": ("experts", "d_ff", "embed"),
+}  # fmt: skip
+
+TOKENS = ("batch", None, "embed")  # [groups, group, embed]: groups follow the batch's split
+BY_GROUP = ("batch", None, None, "embed")  # [groups, experts, capacity, embed], where the tokens are
+BY_EXPERT = ("expert_groups", "experts", None, "embed")  # the same, where the experts are
+
+
+def param_names(mlp: str) -> tuple[str, ...]:
+    """An MoE layer's parameters, in the order they are drawn."""
+    return ("router", *PARAMS[mlp])
+
+
+def capacity(cfg: Any, group: int) -> int:
+    """Each expert's slots per group of `group` tokens: ``ceil(capacity_factor · group · k / experts)``."""
+    return max(1, math.ceil(cfg.moe_capacity_factor * group * cfg.moe_top_k / cfg.moe_experts))
+
+
+def _sizes(cfg: Any, router: jax.Array) -> tuple[int, int]:
+    """(experts, k) as the router's weights ``[embed, experts]`` give them: the config's, except
+    where the planner traces one device's shapes (:mod:`meshpar.plan.memory`) with the experts
+    split, where this device's experts stand for them (an estimate: routing needs every expert)."""
+    experts = router.shape[-1]
+    return experts, min(cfg.moe_top_k, experts)
+
+
+def group_size(cfg: Any, tokens: int) -> int:
+    """The tokens of one group: the largest divisor of `tokens` not above ``moe_group_size``."""
+    size = min(cfg.moe_group_size, tokens)
+    while tokens % size:
+        size -= 1
+    return size
+
+
+def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Router logits ``[..., experts]`` (float32) → (probabilities ``[..., experts]``, the top-k
+    experts ``[..., k]``, their weights ``[..., k]``: renormalised over the k for k > 1)."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, idx = jax.lax.top_k(probs, k)
+    weights = top if k == 1 else top / jnp.sum(top, axis=-1, keepdims=True)
+    return probs, idx, weights
+
+
+def _expert_mlp(cfg: Any, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """Each expert's MLP on its own tokens ``x [expert_groups, experts, capacity, embed]``."""
+    hidden = ("expert_groups", "experts", None, "d_ff")
+    if cfg.mlp == "swiglu":
+        gate = jnp.einsum("gecm,emf->gecf", x, w["experts_gate"])
+        f = jax.nn.silu(gate) * jnp.einsum("gecm,emf->gecf", x, w["experts_up"])
+        out = w["experts_down"]
+    else:
+        f, out = jax.nn.gelu(jnp.einsum("gecm,emf->gecf", x, w["experts_in"])), w["experts_out"]
+    f = checkpoint_name(constrain(f, hidden), "mlp_hidden")
+    return constrain(jnp.einsum("gecf,efm->gecm", f, out), BY_EXPERT)
+
+
+def dispatch_masks(experts: int, idx: jax.Array, weights: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """The one-hot dispatch ``[groups, group, experts, capacity]`` (1 where a token takes a slot)
+    and the combine weights of the same shape, of the top-k experts ``idx`` and their
+    ``weights`` ``[groups, group, k]``: every token's first choice is placed before any second
+    choice (GShard), each in token order; an assignment past the expert's `slots` is dropped."""
+    groups, group, k = idx.shape
+    chosen = jax.nn.one_hot(idx, experts, dtype=jnp.int32)  # [groups, group, k, experts]
+    by_choice = chosen.transpose(0, 2, 1, 3).reshape(groups, k * group, experts)
+    # 0-based arrival order of each assignment at its expert
+    order = (jnp.cumsum(by_choice, axis=1) - 1) * by_choice
+    order = order.reshape(groups, k, group, experts).transpose(0, 2, 1, 3)
+    slot = jnp.sum(order, axis=-1)  # [groups, group, k]: the slot it would take
+    in_slot = jax.nn.one_hot(slot, slots, dtype=jnp.float32)  # all zero past the capacity: dropped
+    dispatch = jnp.einsum("gske,gskc->gsec", chosen.astype(jnp.float32), in_slot)
+    combine = jnp.einsum("gske,gskc,gsk->gsec", chosen.astype(jnp.float32), in_slot, weights)
+    return dispatch, combine
+
+
+def _capacity_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array,
+                  weights: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Capacity dispatch of ``h [batch, length, embed]``: the output and the share of the
+    ``tokens · k`` assignments dropped."""
+    batch, length, d = h.shape
+    tokens = batch * length
+    group = group_size(cfg, tokens)
+    groups, k = tokens // group, idx.shape[-1]
+    x = constrain(h.reshape(groups, group, d), TOKENS)  # [groups, group, embed]
+    dispatch, combine = dispatch_masks(w["router"].shape[-1], idx.reshape(groups, group, k), weights.reshape(groups, group, k),
+                                       capacity(cfg, group))  # fmt: skip
+    dispatch = constrain(dispatch, ("batch", None, None, None))  # [groups, group, experts, capacity]
+    combine = constrain(combine, ("batch", None, None, None))
+    expert_in = constrain(jnp.einsum("gsec,gsm->gecm", dispatch.astype(h.dtype), x), BY_GROUP)
+    expert_out = _expert_mlp(cfg, w, constrain(expert_in, BY_EXPERT))  # all-to-all in and out
+    y = jnp.einsum("gsec,gecm->gsm", combine.astype(h.dtype), constrain(expert_out, BY_GROUP))
+    dropped = 1.0 - jnp.sum(dispatch) / (tokens * k)
+    return constrain(y, TOKENS).reshape(batch, length, d), dropped
+
+
+def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
+    """Every assignment of ``h [batch, length, embed]`` run: sorted by expert, one ragged_dot per matrix."""
+    layout = layout_lib.active_layout()
+    if layout is not None and layout.axis("experts") is not None:
+        raise layout_lib.LayoutError(
+            f"model.moe_dispatch dropless needs the experts replicated; the layout splits experts over "
+            f"{layout_lib.format_axes(layout.axis('experts'))} (use moe_dispatch capacity, or drop the experts rule)"
+        )
+    batch, length, d = h.shape
+    k = idx.shape[-1]
+    flat = idx.reshape(-1)  # [tokens·k] each assignment's expert
+    order = jnp.argsort(flat, stable=True)  # assignments by expert, each expert's in token order
+    rows = jnp.take(h.reshape(-1, d), order // k, axis=0)  # [tokens·k, embed]
+    sizes = jnp.bincount(flat, length=w["router"].shape[-1]).astype(jnp.int32)  # [experts]
+    if cfg.mlp == "swiglu":
+        gate = jax.lax.ragged_dot(rows, w["experts_gate"], sizes)
+        f = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, w["experts_up"], sizes)
+        out = w["experts_down"]
+    else:
+        f, out = jax.nn.gelu(jax.lax.ragged_dot(rows, w["experts_in"], sizes)), w["experts_out"]
+    f = checkpoint_name(f, "mlp_hidden")
+    y_sorted = jax.lax.ragged_dot(f, out, sizes)  # [tokens·k, embed]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(batch * length, k, d)
+    y = jnp.einsum("tkm,tk->tm", y, weights.reshape(-1, k).astype(y.dtype))
+    return y.reshape(batch, length, d)
+
+
+def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One MoE MLP on the normed ``h [batch, length, embed]`` with this layer's weights `p`
+    (:data:`DIMS`): the output ``[batch, length, embed]`` and the layer's ``balance`` (Switch
+    load-balancing loss), ``z`` (router z-loss) and ``dropped`` (share of assignments), scalars."""
+    dt = DTYPES[cfg.compute_dtype]
+    # The router's weights whole on every device: top-k needs every expert's logit.
+    router = use(p["router"], ("embed", None), jnp.float32)
+    logits = constrain(jnp.einsum("blm,me->ble", h.astype(jnp.float32), router), ("batch", "length", None))
+    experts, k = _sizes(cfg, router)
+    probs, idx, weights = route(logits, k)
+    w = {"router": router, **{name: use(p[name], DIMS[name], dt) for name in PARAMS[cfg.mlp]}}
+    if cfg.moe_dispatch == "dropless":
+        y, dropped = _dropless_mlp(cfg, w, h, idx, weights.astype(dt)), jnp.zeros((), jnp.float32)
+    else:
+        y, dropped = _capacity_mlp(cfg, w, h, idx, weights)
+    share = jnp.mean(jnp.sum(jax.nn.one_hot(idx, experts, dtype=jnp.float32), axis=-2), axis=(0, 1)) / k
+    balance = experts * jnp.sum(share * jnp.mean(probs, axis=(0, 1)))  # f_e carries no gradient: counts
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return constrain(y.astype(h.dtype), ("batch", "length", "embed")), {"balance": balance, "z": z, "dropped": dropped}
