@@ -454,7 +454,7 @@ _SAVER = textwrap.dedent(
     guard.daemon = True
     guard.start()
     import jax.numpy as jnp
-    from meshpar import integrity
+    from meshpar.checkpoints import integrity
     from meshpar.checkpoints.checkpoint import Checkpointer
     from meshpar.run.trainer import TrainState
 

@@ -342,8 +342,9 @@ _RSS_SCRIPT = """
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
-from meshpar import config, parts
+from meshpar.configuration import config
 from meshpar.hf import load
+from meshpar.run import parts
 import numpy as np
 cfg = config.from_dict(json.loads(sys.argv[2]))
 step = parts.abstract_step(cfg, element_spec={"tokens": ((17,), np.dtype(np.int32))})

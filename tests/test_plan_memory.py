@@ -99,7 +99,7 @@ def test_a_model_parallel_split_divides_the_split_weights_state():
 def test_an_absurd_layer_is_planned_in_seconds_without_allocating(env):
     code = (
         "import time, jax; jax.config.update('jax_num_cpu_devices', 8); t = time.perf_counter()\n"
-        "from meshpar import config; from meshpar.plan import memory\n"
+        "from meshpar.configuration import config; from meshpar.plan.memory import analytic as memory\n"
         "cfg = config.load('experiments/mlp_model_parallel.yaml', ['model.hidden=[2000000000,256]'])\n"
         "b = memory.analytic(cfg); print(b.categories['params'], b.total, time.perf_counter() - t)\n"
         "print(sum(a.nbytes for a in jax.live_arrays()))\n"
