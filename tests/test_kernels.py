@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from meshpar.configuration.config import ConfigError
+from meshpar.models.transformer import TransformerConfig
 from meshpar.plan import hlo, topology
 from meshpar.plan.time import kernels, timing
 
@@ -112,8 +113,7 @@ ENTRY %main (g: f32[8388608], x: f32[4096,4096]) -> (f32[8388608], f32[4096,4096
 
 
 class _Cfg:
-    class model:
-        compute_dtype = "bfloat16"
+    model = TransformerConfig(compute_dtype="bfloat16")  # read through its family's traits
 
     class feed:
         prefetch = 2

@@ -126,6 +126,7 @@ class Traits:
 CONVENTIONAL: dict[str, str] = {
     "stack_layers": "n_layers",
     "width": "d_model",
+    "experts": "moe_experts",
     **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "dropout", "max_length", "attention",
                                   "attention_block", "vocab_size", "num_classes", "scan_layers", "scan_unroll")},
 }  # fmt: skip
