@@ -429,3 +429,8 @@ def test_host_offload_on_a_gpu_compiled_deviceless_is_out_of_scope_there_only():
     assert "compile-only" in memory.out_of_scope(cfg, "gpu")
     assert "XLA:CPU" in memory.out_of_scope(cfg, "cpu")
     assert memory.out_of_scope(config.load("experiments/quickstart.yaml"), "gpu") is None
+
+
+def test_a_mixture_of_experts_is_out_of_scope_until_its_dispatch_is_modelled():
+    moe = config.load("experiments/moe_tiny.yaml")
+    assert all("mixture of experts" in memory.out_of_scope(moe, p) for p in ("cpu", "gpu"))

@@ -382,6 +382,11 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
         return "bfloat16 compute on XLA:CPU (it computes bfloat16 matmuls in float32 and keeps float32 copies)"
     if model.dropout > 0.0:
         return "dropout (XLA keeps the 32-bit random bits behind each mask)"
+    if model.experts:
+        # Not modelled yet: the routed tokens' dispatch and combine buffers ([groups, experts,
+        # capacity, embed] and their one-hot maps) and the experts' split (validate_memory:
+        # moe_tiny 18.5% under XLA's total); the compiled check decides alone.
+        return "mixture of experts (the model does not count the routed tokens' dispatch buffers yet)"
     axes = {name for name, size in cfg.mesh if size != 1}
     if any(dim == "length" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
         # XLA's partitioner gathers keys and values over the split and reshards the dense
