@@ -9,9 +9,11 @@ shardings and fresh optimizer state, the tokenizer files and the original config
 :mod:`meshpar.hf.runs`). Continue it with ``python -m meshpar.train --config X [the same
 overrides] workdir=W --resume``, or start other runs from it with ``checkpoint.init_from: W``.
 X's model section must be ``name: llama`` with every architecture field equal to
-``config.json``'s (nothing is filled in; ``model-yaml`` prints the section that matches).
+``config.json``'s (nothing is filled in; ``model-yaml`` prints the section that matches: for a
+Mixtral folder also its experts, ``moe_every: 1`` and ``moe_dispatch: dropless``).
 ``to-hf`` writes OUT_DIR from a run's newest checkpoint (``config.json``, ``model.safetensors``
-in the parameter dtype, sharded with an index above --max-shard-size, the tokenizer files).
+in the parameter dtype, sharded with an index above --max-shard-size, the tokenizer files): a
+Llama, or a Mixtral where the run's model has experts.
 
 Exit status 0 when done; 2 with one line (``config error: <key>: …``, ``checkpoint error: …``
 naming the tensor or file) when the input cannot be converted; nothing is written then.
@@ -78,7 +80,7 @@ def model_yaml(args) -> int:
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     prog = "python -m meshpar.convert"
     p1 = argparse.ArgumentParser(
-        prog=f"{prog} from-hf", description="A Hugging Face Llama folder → step 0 of a meshpar run."
+        prog=f"{prog} from-hf", description="A Hugging Face Llama or Mixtral folder → step 0 of a meshpar run."
     )
     p1.add_argument("hf_dir", type=Path, help="folder with config.json and model.safetensors (or its index)")
     p1.add_argument("--config", required=True, help="the run's experiment YAML (model.name: llama)")

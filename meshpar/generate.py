@@ -6,7 +6,7 @@
     python -m meshpar.generate --hf HF_DIR --prompt "..." [...]
 
 From the newest checkpoint of the run in W (its model, tokenizer, mesh and layout) or from a
-Hugging Face Llama folder, on the mesh and layout the overrides give (``mesh=data:8
+Hugging Face Llama or Mixtral folder, on the mesh and layout the overrides give (``mesh=data:8
 layout=batch:data``; ``model.compute_dtype=bfloat16``). ``--temperature 0`` (the default) is
 greedy; otherwise sampling, the same tokens for the same ``--seed``. ``--prompt-ids 1,2,3``
 gives a prompt as token ids. ``--batch-file``: one prompt per line (a line that starts with
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", type=Path, help="a meshpar run's workdir (its newest checkpoint)")
-    source.add_argument("--hf", type=Path, help="a Hugging Face Llama folder")
+    source.add_argument("--hf", type=Path, help="a Hugging Face Llama or Mixtral folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as token ids, e.g. 1,2,3")
     p.add_argument("--batch-file", type=Path, help="prompts, one per line")

@@ -53,7 +53,22 @@ trained instead, see below), saved with ``save_pretrained`` into ``<out>/<name>/
   (the continuation of the first prompt alone, unpadded). No row stops early: every row holds
   32 new tokens and no end-of-document token (the script fails otherwise).
 
-The four random variants stay under 1 MB together; ``trained`` is larger (its 2048 x 64
+- ``mixtral_f32``: a ``transformers.MixtralForCausalLM`` (``MIXTRAL``): d_model 32, 4 query
+  heads, 2 key/value heads, head_dim 8, 2 layers, each a mixture of 4 experts (d_ff 32) with
+  every token routed to its top 2, vocab 256, untied, rope theta 1e6 (Mixtral's), float32,
+  random weights as the other random variants (std 0.2: the router's logits have a std near
+  1, so the tokens spread over the experts; the script prints each layer's share per expert
+  and fails if any expert takes none). Saved with ``save_pretrained``, which writes transformers 4's
+  tensor names (``block_sparse_moe.experts.j.w1/w2/w3``); the script also checks that the
+  fused spelling transformers 5 holds in memory (``save_original_format=False``) loads to
+  the same logits. Beside ``inputs``/``logits``, ``reference.npz`` holds greedy continuations
+  as ``trained``'s do, of token-id prompts (no tokenizer: the byte-level one reads the
+  256-token vocabulary): ``generate_inputs`` int32 [3, P] (``MIXTRAL_PROMPTS``'s lengths,
+  random ids from 3 up, left-padded with 0), ``generate_mask``, ``generate_tokens`` int32
+  [3, 16] and ``generate_single`` int32 [16] (the first prompt alone), generated without an
+  end token (``eos_token_id`` unset for ``generate``), so every row holds 16 new tokens.
+
+The four random Llamas stay under 1 MB together, the Mixtral under 300 KB; ``trained`` is larger (its 2048 x 64
 embedding, its tokenizer and its [2, 16, 2048] logits). It prints each model's size and the
 largest |logit|, and for ``trained`` the loss, each continuation's number of distinct tokens
 and its text.
@@ -69,9 +84,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import safetensors
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 LENGTH, ROWS = 16, 2
 BASE = dict(
@@ -110,6 +126,15 @@ VARIANTS = {
     ),
 }
 
+MIXTRAL_NAME = "mixtral_f32"
+MIXTRAL = dict(
+    hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=32,
+    num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    num_local_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+MIXTRAL_PROMPTS = (5, 9, 3)  # prompt lengths (tokens)
+MIXTRAL_NEW_TOKENS = 16
+
 TRAINED = {
     "vocab_size": 2048, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "intermediate_size": 128, "num_hidden_layers": 2, "tie_word_embeddings": True, "max_position_embeddings": 128,
@@ -128,7 +153,7 @@ NEW_TOKENS = 32
 TRAINED_NAME = "trained"
 
 
-def _randomize(model: LlamaForCausalLM, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Seeded weights far from HF's init (std 0.02 would leave the logits nearly uniform)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -151,9 +176,9 @@ def _v4_config(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _logits(folder: Path, inputs: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+def _logits(folder: Path, inputs: np.ndarray, dtype: torch.dtype, cls=LlamaForCausalLM) -> np.ndarray:
     """Logits of the saved model read back (so the v4 config is what transformers reads)."""
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    model = cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         out = model(torch.from_numpy(inputs).long()).logits
     return out.float().numpy()
@@ -297,8 +322,80 @@ def make_trained(out: Path, seed: int) -> None:
         print(f"  {p.name}: {p.stat().st_size / 1024:.0f} KiB")
 
 
+def _expert_shares(model: MixtralForCausalLM, inputs: np.ndarray) -> list[np.ndarray]:
+    """Each layer's share of the top-k assignments per expert on `inputs`."""
+    with torch.no_grad():
+        out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
+    k, experts = model.config.num_experts_per_tok, model.config.num_local_experts
+    shares = []
+    for logits in out.router_logits:  # [tokens, experts] per layer
+        top = torch.topk(logits, k, dim=-1).indices.reshape(-1)
+        shares.append(np.bincount(top.numpy(), minlength=experts) / top.numel())
+    return shares
+
+
+def _generate_ids(model, prompts: list[np.ndarray], new_tokens: int, pad: int) -> dict[str, np.ndarray]:
+    """Greedy continuations of token-id `prompts`, left-padded with `pad` as a batch, and the
+    first alone, with no end token (every row runs `new_tokens`)."""
+    width = max(map(len, prompts))
+    inputs = np.full((len(prompts), width), pad, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for i, x in enumerate(prompts):
+        inputs[i, width - len(x) :], mask[i, width - len(x) :] = x, 1
+    kw = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": pad}
+    with torch.no_grad():
+        batch = model.generate(torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask), **kw)
+        alone = torch.from_numpy(prompts[0][None])
+        one = model.generate(alone, attention_mask=torch.ones_like(alone), **kw)
+    tokens, single = batch[:, width:].numpy(), one[0, len(prompts[0]) :].numpy()
+    assert tokens.shape == (len(prompts), new_tokens) and single.shape == (new_tokens,), (tokens.shape, single.shape)
+    for i, row in enumerate(tokens):
+        print(
+            f"  prompt {i} ({len(prompts[i])} tokens): {len(set(row.tolist()))} distinct of {new_tokens}: {row.tolist()}"
+        )
+    print(f"  prompt 0 alone: {'same' if np.array_equal(tokens[0], single) else 'DIFFERS'} as in the batch")
+    return {
+        "generate_inputs": inputs.astype(np.int32),
+        "generate_mask": mask.astype(np.int32),
+        "generate_tokens": tokens.astype(np.int32),
+        "generate_single": single.astype(np.int32),
+    }
+
+
+def make_mixtral(out: Path, seed: int) -> None:
+    folder = out / MIXTRAL_NAME
+    shutil.rmtree(folder, ignore_errors=True)
+    config = MixtralConfig(**MIXTRAL)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)
+    _randomize(model, seed)
+    model = model.float().eval()
+    model.save_pretrained(folder)
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, config.vocab_size, (ROWS, LENGTH)).astype(np.int32)
+    ref = {"inputs": inputs, "logits": _logits(folder, inputs, torch.float32, MixtralForCausalLM)}
+    loaded = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    for i, share in enumerate(_expert_shares(loaded, inputs)):
+        print(f"  layer {i}: share of the assignments per expert {np.round(share, 3).tolist()}")
+        assert share.min() > 0, "an expert takes no token: the routing is trivial"
+    fused = out / f".{MIXTRAL_NAME}.fused"
+    shutil.rmtree(fused, ignore_errors=True)
+    loaded.save_pretrained(fused, save_original_format=False)
+    with safetensors.safe_open(fused / "model.safetensors", "np") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys(), sorted(f.keys())
+    again = _logits(fused, inputs, torch.float32, MixtralForCausalLM)
+    shutil.rmtree(fused)
+    assert np.array_equal(again, ref["logits"]), "the fused spelling loads to other logits"
+    loaded.generation_config.eos_token_id = None  # no row ends early
+    prompts = [rng.integers(3, config.vocab_size, n) for n in MIXTRAL_PROMPTS]
+    ref.update(_generate_ids(loaded, prompts, MIXTRAL_NEW_TOKENS, pad=0))
+    np.savez_compressed(folder / "reference.npz", **ref)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    print(f"{MIXTRAL_NAME}: {size / 1024:.0f} KiB, max |logit| {np.abs(ref['logits']).max():.2f}")
+
+
 def main() -> None:
-    names = [*VARIANTS, TRAINED_NAME]
+    names = [*VARIANTS, TRAINED_NAME, MIXTRAL_NAME]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "hf"))
     parser.add_argument("--only", nargs="+", choices=names, help="write these variants alone (default: all)")
@@ -311,6 +408,8 @@ def main() -> None:
             continue
         if name == TRAINED_NAME:
             make_trained(out, seed=i)
+        elif name == MIXTRAL_NAME:
+            make_mixtral(out, seed=i)
         else:
             make(name, VARIANTS[name], out, seed=i)
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

@@ -179,7 +179,7 @@ def _tensors(change):
 
 
 BAD = {
-    "architecture": (_mistral, [], r"config error: .*hf/config\.json: model_type is 'mistral', not 'llama' \(meshpar reads Llama checkpoints only\)"),
+    "architecture": (_mistral, [], r"config error: .*hf/config\.json: model_type is 'mistral', not 'llama' or 'mixtral' \(meshpar reads Llama and Mixtral checkpoints\)"),
     "missing": (_tensors(lambda a: a.pop("model.norm.weight")), [],
                 r"checkpoint error: .*hf: tensor model\.norm\.weight is missing \(meshpar's final_norm, \[32\]\)"),
     "extra": (_tensors(lambda a: a.update({"model.layers.2.mlp.up_proj.weight": a["model.layers.1.mlp.up_proj.weight"]})), [],

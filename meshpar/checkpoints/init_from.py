@@ -10,8 +10,8 @@ the plan's shardings.
 
 Two kinds of folder, told apart by what they hold:
 
-- **Hugging Face** (``config.json`` and ``model.safetensors`` or its index): a Llama whose
-  ``config.json`` agrees with the run's model section (:mod:`meshpar.hf.load`);
+- **Hugging Face** (``config.json`` and ``model.safetensors`` or its index): a Llama or Mixtral
+  whose ``config.json`` agrees with the run's model section (:mod:`meshpar.hf.load`);
 - **a meshpar run**: its workdir (``checkpoints/`` inside) or a checkpoint folder; the newest
   committed step's parameters, checked against their saved digests. Its model settings must
   equal this run's, except how the model runs or trains (:data:`EXECUTION`: dtypes, the layer

@@ -1,4 +1,6 @@
-"""A Llama's parameters → a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+"""A Llama's parameters → a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads
+(a ``MixtralForCausalLM`` where the model has experts, its experts one tensor each as
+transformers 4 and 5 both load them: :mod:`meshpar.hf.names`).
 
 ``config.json`` (over the original's fields where it is known, :func:`meshpar.hf.model_config.to_hf`),
 the original ``generation_config.json`` where known, the weights in the parameter dtype as
@@ -20,13 +22,16 @@ from meshpar.hf import model_config as hf_config
 
 
 def entries(model, params: Mapping[str, np.ndarray]) -> list[writer.Entry]:
-    """Every Hugging Face tensor of `params` (parameter path → array, stacked along ``layers``)."""
+    """Every Hugging Face tensor of `params` (parameter path → array, stacked along ``layers``,
+    a mixture of experts' along ``layers`` and ``experts``)."""
     out = []
     for t in names.tensors(model):
         x = params[t.param]
-        expected = (model.n_layers, *t.shape) if t.layer is not None else t.shape
-        if tuple(x.shape) != expected:
-            raise ValueError(f"parameter {t.param} has shape {tuple(x.shape)}, a Llama of this config {expected}")
+        stack = (model.n_layers, model.moe_experts)[: len(t.layer)] if t.layer is not None else ()
+        if tuple(x.shape) != (*stack, *t.shape):
+            raise ValueError(
+                f"parameter {t.param} has shape {tuple(x.shape)}, a {names.kind(model)} of this config {(*stack, *t.shape)}"
+            )
 
         def produce(t=t, x=x):
             return t.to_hf(np.asarray(x[t.layer] if t.layer is not None else x))

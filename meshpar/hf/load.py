@@ -1,4 +1,4 @@
-"""A Hugging Face Llama folder → a run's parameters, each straight into its sharding.
+"""A Hugging Face Llama or Mixtral folder → a run's parameters, each straight into its sharding.
 
 :func:`open` checks everything that can be checked without reading a weight — ``config.json``
 against the run's model section (:func:`meshpar.hf.model_config.check_model`), every tensor's name,
@@ -9,12 +9,16 @@ and places it (:mod:`meshpar.hf.place`), and reports what it cost in host memory
 The bound it keeps: the process's peak resident memory stays below its baseline (taken once
 the placement programs are compiled, before the first tensor is read) plus the parameters'
 bytes as placed (on a CPU host the devices' memory is the host's) plus twice the largest
-tensor (the bytes read, and their converted copy).
+tensor (the bytes read, and their converted copy). A Mixtral's experts are tensors of their own
+(one expert's matrix each, also where transformers 5 stores them fused: each expert's block is
+read on its own), placed into the ``[layers, experts, ...]`` stacks one at a time, so the bound
+is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -67,7 +71,8 @@ class Source:
 
     def describe(self) -> str:
         n = len(self.files.files)
-        return f"{self.folder} (Hugging Face, {len(self.tensors)} tensors in {n} safetensors file{'s' * (n > 1)})"
+        stored = len({t.hf for t in self.tensors})
+        return f"{self.folder} (Hugging Face, {stored} tensors in {n} safetensors file{'s' * (n > 1)})"
 
     def load(self, abstract_params, shardings) -> tuple[object, Report]:
         """Parameters shaped as `abstract_params` (an nnx.State of ShapeDtypeStructs), each in its
@@ -83,7 +88,7 @@ class Source:
         stacks = {}
         for path, (_, sds), target in zip(paths, flat, targets):
             if groups[path][0].layer is not None:
-                stacks[path] = placer.stack(sds.shape, sds.dtype, target)
+                stacks[path] = placer.stack(sds.shape, sds.dtype, target, len(groups[path][0].layer))
         placer.compile()
         baseline = place.peak_rss()
         out, largest = [], 0
@@ -98,19 +103,24 @@ class Source:
                 del host
         jax.block_until_ready(out)
         report = Report(
-            tensors=len(self.tensors), files=len(self.files.files), file_bytes=self.files.nbytes,
+            tensors=len({t.hf for t in self.tensors}), files=len(self.files.files), file_bytes=self.files.nbytes,
             placed_bytes=sum(place.placed_bytes(x) for x in out), largest_tensor_bytes=largest,
             baseline_rss=baseline, peak_rss=place.peak_rss(), seconds=time.perf_counter() - start,
         )  # fmt: skip
         return jax.tree.unflatten(treedef, out), report
 
     def _read(self, tensor: names.Tensor, dtype) -> np.ndarray:
-        stored = self.files.read(tensor.hf)
+        if tensor.part is None:
+            stored = self.files.read(tensor.hf)
+        else:
+            stored = self.files.read_block(tensor.hf, tensor.part, tensor.hf_shape)
         return tensor.to_meshpar(stored, dtype)
 
     def _largest(self, tensor: names.Tensor, dtype) -> int:
-        info = self.files.tensors[tensor.hf]
-        return max(info.nbytes, info.nbytes // info.dtype.itemsize * np.dtype(dtype).itemsize)
+        """The bytes of `tensor` as read (a block of a fused tensor: that block's) or converted."""
+        itemsize = self.files.tensors[tensor.hf].dtype.itemsize
+        size = math.prod(tensor.hf_shape)
+        return size * max(itemsize, np.dtype(dtype).itemsize)
 
 
 def path_name(path) -> str:
@@ -126,28 +136,29 @@ def param_path(path) -> str:
 def open(folder: str | Path, model) -> Source:
     """Check `folder` against `model` (a run's model config) without reading a weight: its
     config.json (ConfigError naming the key), then its tensors (CheckpointError naming the
-    tensor: missing, not a float, another shape, or one this model has not)."""
+    tensor: missing, not a float, another shape, or one this model has not), a Mixtral's
+    experts in either spelling (:func:`meshpar.hf.names.fused`)."""
     folder = Path(folder)
     path = folder / "config.json"
     arch = hf_config.architecture(hf_config.read_json(path), str(path))
     hf_config.check_model(model, arch, str(path))
     files = reader.Folder(folder)
-    expected = names.tensors(model)
+    expected = names.tensors(model, names.fused(files.tensors))
     for t in expected:
         info = files.tensors.get(t.hf)
         if info is None:
             raise CheckpointError(f"{folder}: tensor {t.hf} is missing (meshpar's {t.where()}, {list(t.hf_shape)})")
         if not _is_float(info.dtype):
             raise CheckpointError(f"{folder}: tensor {t.hf} is {info.describe()}, not a float")
-        if info.shape != t.hf_shape:
+        if info.shape != t.stored_shape:
             raise CheckpointError(
-                f"{folder}: tensor {t.hf} has shape {list(info.shape)}; this model's {t.where()} needs {list(t.hf_shape)}"
+                f"{folder}: tensor {t.hf} has shape {list(info.shape)}; this model's {t.where()} needs {list(t.stored_shape)}"
             )
     known = {t.hf for t in expected}
     for name in sorted(files.tensors):
         if name not in known and not names.skipped(name, model):
             raise CheckpointError(
-                f"{folder}: tensor {name} ({files.tensors[name].describe()}) is no parameter of this Llama "
-                f"({len(known)} tensors; config.json says what it is)"
+                f"{folder}: tensor {name} ({files.tensors[name].describe()}) is no parameter of this "
+                f"{names.kind(model)} ({len(known)} tensors; config.json says what it is)"
             )
     return Source(folder, model, files, expected)

@@ -104,18 +104,29 @@ def _entry(path: Path, name: str, entry, start: int, size: int) -> TensorInfo:
 
 def read(info: TensorInfo) -> np.ndarray:
     """One tensor's bytes, read into a new array (C order, its own dtype)."""
-    out = np.empty(info.shape, info.dtype)
+    return _read(info, info.offset, info.nbytes, info.shape)
+
+
+def read_block(info: TensorInfo, part: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Block `part` of a tensor read as ``[blocks, *shape]`` (a block's bytes are contiguous),
+    read alone into a new array of `shape`."""
+    nbytes = math.prod(shape) * info.dtype.itemsize
+    if not nbytes or info.nbytes % nbytes or not 0 <= part < info.nbytes // nbytes:
+        raise CheckpointError(f"tensor {info.name} in {info.path} has no block {part} of shape {list(shape)}")
+    return _read(info, info.offset + part * nbytes, nbytes, shape)
+
+
+def _read(info: TensorInfo, offset: int, nbytes: int, shape: tuple[int, ...]) -> np.ndarray:
+    out = np.empty(shape, info.dtype)
     view = memoryview(out.reshape(-1).view(np.uint8))
     try:
         with open(info.path, "rb", buffering=0) as f:
-            f.seek(info.offset)
+            f.seek(offset)
             done = 0
-            while done < info.nbytes:
+            while done < nbytes:
                 got = f.readinto(view[done : done + _CHUNK])
                 if not got:
-                    raise CheckpointError(
-                        f"tensor {info.name} in {info.path} ends early ({done} of {info.nbytes} bytes)"
-                    )
+                    raise CheckpointError(f"tensor {info.name} in {info.path} ends early ({done} of {nbytes} bytes)")
                 done += got
     except OSError as e:
         raise CheckpointError(f"cannot read tensor {info.name} from {info.path}: {e.strerror or e}") from None
@@ -170,6 +181,9 @@ class Folder:
 
     def read(self, name: str) -> np.ndarray:
         return read(self.tensors[name])
+
+    def read_block(self, name: str, part: int, shape: tuple[int, ...]) -> np.ndarray:
+        return read_block(self.tensors[name], part, shape)
 
     @property
     def nbytes(self) -> int:

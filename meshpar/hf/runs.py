@@ -10,7 +10,8 @@ weights. The tokenizer files and the original config come along (:mod:`meshpar.h
 
 **to-hf** reads a run's newest committed step (its parameters only, onto the host, checked
 against the step's file manifest) and the model config from its run record, and writes a
-Hugging Face folder (:mod:`meshpar.hf.export`).
+Hugging Face folder (:mod:`meshpar.hf.export`): a Llama, or a Mixtral where the model has
+experts (in every layer: ``moe_every`` 1).
 
 Either way everything that can be checked is checked before a byte is written, and the target
 folder appears only when complete.
@@ -110,7 +111,14 @@ def to_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = writer.MA
         )
     model = model_config(run)
     if model.name != "llama":
-        raise ConfigError("model.name", f"{run.describe()} holds a {model.name} model; to-hf writes Llama models only")
+        raise ConfigError(
+            "model.name", f"{run.describe()} holds a {model.name} model; to-hf writes Llama (and Mixtral) models only"
+        )
+    if model.moe_experts and model.moe_every != 1:
+        raise ConfigError(
+            "model.moe_every",
+            f"{run.describe()} has a mixture of experts every {model.moe_every} layers; a Mixtral has one in every layer (1)",
+        )
     files.check_new(out, "output folder")
     run.verify_files()
     saved = run.param_metadata()
@@ -122,9 +130,13 @@ def to_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = writer.MA
     expected = {t.param for t in names.tensors(model)}
     missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
     if missing:
-        raise CheckpointError(f"{run.describe()} has no parameter {missing[0]}, which a Llama of its config has")
+        raise CheckpointError(
+            f"{run.describe()} has no parameter {missing[0]}, which a {names.kind(model)} of its config has"
+        )
     if extra:
-        raise CheckpointError(f"{run.describe()} holds parameter {extra[0]}, which a Llama of its config has not")
+        raise CheckpointError(
+            f"{run.describe()} holds parameter {extra[0]}, which a {names.kind(model)} of its config has not"
+        )
     base, generation, tokenizer = export.find_origin(run_dir)
     written = export.write(out, model, params, base, generation, tokenizer, max_shard_bytes)
     return ToHF(run, written, len(names.tensors(model)), sum(a.nbytes for a in params.values()), model.param_dtype)

@@ -48,14 +48,17 @@ length]`` scores carry no name, so a policy that keeps only named values never k
 offload of activations (``offload.activations``) is such a policy, set by the train step
 (the trace's ``keep``, :class:`meshpar.sharding.tracing.Trace`) in place of ``remat``.
 
-Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`).
+Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`);
+with experts the cached layer loop runs over the groups of ``moe_every`` layers as training's
+does (:func:`decode_block`), the MoE layers' statistics dropped, and capacity dispatch routes
+each row's new tokens in groups of their own (:func:`decode_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -186,12 +189,48 @@ def block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array,
         return layer(cfg, p, x, attend, None, key)[0]
     n = cfg.moe_every
     keys = [None] * n if key is None else list(jax.random.split(key, n))
-    for i in range(n - 1):  # the group's dense layers
-        own = {name: p[name][i] for name in (*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp])}
-        x = _layer(cfg, own, x, attend, None, keys[i])[0]
-    own = {**{name: p[name][n - 1] for name in ATTN_PARAMS}, **{name: p[name] for name in moe_lib.param_names(cfg.mlp)}}
-    x, _, stats = _layer(cfg, own, x, attend, None, keys[n - 1])
+    stats = None
+    for own, k in zip(group_params(cfg, p), keys):  # the group's dense layers, then its MoE layer
+        x, _, stats = _layer(cfg, own, x, attend, None, k)
     return x, stats
+
+
+def group_params(cfg: DecoderConfig, p: dict[str, jax.Array]) -> list[dict[str, jax.Array]]:
+    """Each layer's own weights in a group of ``moe_every`` layers whose weights `p` are one
+    group's slice of :meth:`Blocks.stacked`: the dense layers' (attention and MLP, ``[i]`` of
+    the group), then the MoE layer's (its attention, the router and the experts)."""
+    n = cfg.moe_every
+    own = [{name: p[name][i] for name in (*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp])} for i in range(n - 1)]
+    moe = {**{name: p[name][n - 1] for name in ATTN_PARAMS}, **{name: p[name] for name in moe_lib.param_names(cfg.mlp)}}
+    return [*own, moe]
+
+
+def decode_block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attends: Sequence[kv_cache.Attend],
+                 positions: jax.Array) -> tuple[jax.Array, list[object]]:  # fmt: skip
+    """One step of the layer loop in decoding (:func:`meshpar.models.kv_cache.run_layers`): the
+    new tokens ``x [batch, steps, embed]`` at `positions` through one layer, or with experts
+    through a group of ``moe_every`` layers (:func:`group_params`), layer i attending with
+    ``attends[i]``; x and each layer's cache. An MoE layer's statistics are training's (its
+    losses and dropped share) and are dropped here."""
+    if not cfg.moe_experts:
+        x, cache = layer(cfg, p, x, attends[0], positions)
+        return x, [cache]
+    caches = []
+    for own, attend in zip(group_params(cfg, p), attends):
+        x, cache, _ = _layer(cfg, own, x, attend, positions, None)
+        caches.append(cache)
+    return x, caches
+
+
+def decode_config(cfg: DecoderConfig, steps: int) -> DecoderConfig:
+    """`cfg` for a decoding call of `steps` new tokens per row: capacity dispatch routes each
+    row's tokens in groups of their own (the largest divisor of `steps` not above
+    ``moe_group_size``), so that a row's continuation never depends on the other rows of the
+    batch — the padding rows a generator adds among them — and the groups split as the batch
+    does. A step of one token is a group of one, which no capacity drops from."""
+    if not cfg.moe_experts or cfg.moe_dispatch != "capacity":
+        return cfg
+    return dataclasses.replace(cfg, moe_group_size=moe_lib.group_size(cfg, steps))
 
 
 def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
@@ -264,10 +303,12 @@ class Blocks(nnx.Module):
         return run(aux=True) if self.cfg.moe_experts else (run(), {})
 
     def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
-        if self.cfg.moe_experts:
-            raise NotImplementedError("generation from a mixture-of-experts model is not supported yet")
-        layer_fn = functools.partial(layer, self.cfg)
-        return kv_cache.run_layers(layer_fn, self.stacked(), x, cache, layers.scan_unroll(self.cfg))
+        """The new tokens ``x [batch, steps, embed]`` through the stack against `cache`
+        (:mod:`meshpar.models.kv_cache`): the loop runs over the groups of :meth:`stacked`."""
+        cfg = decode_config(self.cfg, x.shape[1])
+        group = cfg.moe_every if cfg.moe_experts else 1
+        run = functools.partial(decode_block, cfg)
+        return kv_cache.run_layers(run, self.stacked(), x, cache, layers.scan_unroll(cfg), group)
 
     def stacked(self) -> dict[str, jax.Array]:
         """Each block parameter stacked along a leading dim the layer loop runs over: ``[layers,

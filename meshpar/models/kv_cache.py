@@ -23,7 +23,7 @@ batched generation counts them from the attention mask.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,31 +82,42 @@ def visible(cache: KVCache, steps: int) -> jax.Array:
 
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array, jax.Array]]]
-# layer(p, x, attend, positions) → (x, (k, v)): one layer of a family on x [batch, steps, embed],
-# with attention done by `attend(q, k, v)` (which also returns the layer's updated cache).
-CachedLayer = Callable[[dict, jax.Array, Attend, jax.Array], tuple[jax.Array, tuple[jax.Array, jax.Array]]]
+# layer(p, x, attends, positions) → (x, caches): one step of a family's layer loop on x [batch,
+# steps, embed] — one layer, or a group of layers run together (a mixture-of-experts decoder's
+# group of moe_every layers) — each layer i of it with attention done by `attends[i](q, k, v)`
+# (which also returns that layer's updated cache (k, v)), and those caches in layer order.
+CachedLayer = Callable[[dict, jax.Array, Sequence[Attend], jax.Array], tuple[jax.Array, Sequence[tuple]]]
 
 
 def run_layers(layer: CachedLayer, stacked: dict[str, jax.Array], x: jax.Array, cache: KVCache,
-               unroll: int = 1) -> tuple[jax.Array, KVCache]:  # fmt: skip
-    """`layer` over the stacked layers (a ``lax.scan``, `unroll` layers per iteration), each
+               unroll: int = 1, group: int = 1) -> tuple[jax.Array, KVCache]:  # fmt: skip
+    """`layer` over the stacked layers (a ``lax.scan``, `unroll` steps per iteration), each
     writing its new keys and values into its slice of `cache` at ``cache.index`` and attending
-    over the slots :func:`visible` allows; returns x and the cache advanced past the new tokens."""
+    over the slots :func:`visible` allows; returns x and the cache advanced past the new tokens.
+    Each step of the loop runs `group` consecutive layers (`stacked`'s leading dim counts the
+    groups), so the cache's ``layers`` are read as ``[layers / group, group]``: a free reshape."""
     steps = x.shape[1]
     pos, mask = positions(cache, steps), visible(cache, steps)
     layer_dims = cache.dims[1:]  # one layer's [batch, length, heads, kv]
 
+    def grouped(a: jax.Array) -> jax.Array:  # [layers, ...] → [groups, group, ...]
+        return a.reshape(a.shape[0] // group, group, *a.shape[1:])
+
     def body(x, xs):
-        p, k_layer, v_layer = xs  # this layer's weights; its cache [batch, slots, heads, kv]
+        p, k_group, v_group = xs  # this group's weights; its layers' caches [group, batch, slots, heads, kv]
 
-        def attend(q, k, v):
-            k_all = jax.lax.dynamic_update_slice(k_layer, k.astype(k_layer.dtype), (0, cache.index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(v_layer, v.astype(v_layer.dtype), (0, cache.index, 0, 0))
-            k_all, v_all = constrain(k_all, layer_dims), constrain(v_all, layer_dims)
-            return attention_lib.over_cache(q, k_all, v_all, mask), (k_all, v_all)
+        def attend_in(i: int) -> Attend:
+            def attend(q, k, v):
+                k_all = jax.lax.dynamic_update_slice(k_group[i], k.astype(k_group.dtype), (0, cache.index, 0, 0))
+                v_all = jax.lax.dynamic_update_slice(v_group[i], v.astype(v_group.dtype), (0, cache.index, 0, 0))
+                k_all, v_all = constrain(k_all, layer_dims), constrain(v_all, layer_dims)
+                return attention_lib.over_cache(q, k_all, v_all, mask), (k_all, v_all)
 
-        return layer(p, x, attend, pos)
+            return attend
 
-    x, (k, v) = jax.lax.scan(body, x, (stacked, cache.k, cache.v), unroll=unroll)
-    k, v = constrain(k, cache.dims), constrain(v, cache.dims)
+        x, caches = layer(p, x, [attend_in(i) for i in range(group)], pos)
+        return x, tuple(jnp.stack([c[j] for c in caches]) for j in (0, 1))
+
+    x, (k, v) = jax.lax.scan(body, x, (stacked, grouped(cache.k), grouped(cache.v)), unroll=unroll)
+    k, v = constrain(k.reshape(cache.k.shape), cache.dims), constrain(v.reshape(cache.v.shape), cache.dims)
     return x, dataclasses.replace(cache, k=k, v=v, index=cache.index + steps)

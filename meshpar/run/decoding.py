@@ -2,7 +2,7 @@
 newest checkpoint or a Hugging Face folder (``python -m meshpar.generate``).
 
 The model is the run's own (every LM family: its ``init_cache`` and ``decode``, see
-:mod:`meshpar.models.kv_cache`), on the run's mesh and layout or ones given as overrides, its
+:mod:`meshpar.models.kv_cache`; a mixture of experts too, each row routed on its own), on the run's mesh and layout or ones given as overrides, its
 parameters read straight into that layout's shardings. Generation is one jitted prefill (every
 prompt's tokens written into the key/value cache at once, the first new token sampled) and then
 one jitted decode step per new token (the cache donated and updated in place), dispatched
@@ -130,14 +130,15 @@ def run_config(workdir: Path, overrides: Sequence[str]) -> tuple[Config, init_fr
 
 
 def hf_run_config(folder: Path, overrides: Sequence[str]) -> Config:
-    """A config for the Llama in the Hugging Face `folder` (its config.json's architecture, its
-    tokenizer.json), with `overrides` applied (mesh, layout, model.compute_dtype, ...)."""
+    """A config for the Llama or Mixtral in the Hugging Face `folder` (its config.json's
+    architecture, :func:`meshpar.hf.model_config.model_section`; its tokenizer.json), with
+    `overrides` applied (mesh, layout, model.compute_dtype, model.moe_dispatch, ...)."""
     if not init_from.is_hf_folder(folder):
         raise CheckpointError(
             f"{folder} is not a Hugging Face model folder (config.json with model.safetensors or its index)"
         )
     arch = hf_config.read(folder)
-    model = {"name": "llama", **{field: arch[field] for field in hf_config.compared(arch)}}
+    model = hf_config.model_section(arch)
     tokenizer = folder / "tokenizer.json"
     raw = {"model": model, "data": {"tokenizer": str(tokenizer) if tokenizer.is_file() else tokenizer_lib.BYTE}}
     return config_lib.from_dict(config_lib.apply_overrides(raw, overrides))
