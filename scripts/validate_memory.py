@@ -4,7 +4,7 @@
                                       [--target 0.10] [--json out.json] [experiments/x.yaml ...]
 
 Two sets of configs. **shipped**: every ``experiments/*.yaml`` and the variants in VARIANTS
-(remat, microbatches, a rolled layer loop, pipelines over a stage axis). **generated** (:func:`generated`): the NAMED
+(remat, microbatches, a rolled layer loop, pipelines over a stage axis, mixtures of experts: MOE). **generated** (:func:`generated`): the NAMED
 configs (each a different way of going wrong, vocabularies far wider than the model among them),
 then about three dozen drawn with a fixed seed from the shipped ones, varying the family (Transformer, MLP),
 the layout (data parallel, a model split, 2-D, a sequence split, FSDP's ``param_layout``), the
@@ -62,6 +62,20 @@ import warnings
 
 import common
 
+# Mixture of experts (meshpar.models.moe) beyond moe_tiny as shipped: other expert counts, top-1,
+# every other layer, capacity factors, the experts split over an axis the batch is split on too
+# (all-to-all) and replicated, FSDP, full remat; dropless dispatch (out of scope: its row says why).
+MOE = [
+    ["model.moe_experts=4", "model.moe_top_k=1"],
+    ["model.moe_every=2", "model.n_layers=4"],
+    ["model.moe_capacity_factor=2.0"],
+    ["model.moe_experts=16", "model.moe_group_size=64", "model.moe_capacity_factor=1.0"],
+    ["layout=batch:(data,expert); experts:expert"],
+    ["layout=batch:(data,expert)"],
+    ["param_layout=embed:data"],
+    ["model.remat=full"],
+    ["model.moe_dispatch=dropless", "layout=batch:(data,expert)"],
+]
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
 VARIANTS = [
     ("experiments/quickstart.yaml", ["train.microbatches=4", "model.remat=full"]),
@@ -79,6 +93,7 @@ VARIANTS = [
     ("experiments/transformer_pipeline.yaml", ["model.remat=full"]),
     ("experiments/transformer_pipeline.yaml", ["pipeline.schedule=circular", "pipeline.repeats=2", "model.n_layers=8"]),
     ("experiments/transformer_pipeline.yaml", ["mesh=data:2,stage:4,model:1", "train.microbatches=4"]),
+    *[("experiments/moe_tiny.yaml", o) for o in MOE],
 ]
 TARGET = 0.10  # |analytic − XLA| / XLA on the step total
 GPU_TARGETS = ("h100-sxm-8", "h200-sxm-8")  # --gpu: XLA:GPU columns for these machines

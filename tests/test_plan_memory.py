@@ -431,6 +431,8 @@ def test_host_offload_on_a_gpu_compiled_deviceless_is_out_of_scope_there_only():
     assert memory.out_of_scope(config.load("experiments/quickstart.yaml"), "gpu") is None
 
 
-def test_a_mixture_of_experts_is_out_of_scope_until_its_dispatch_is_modelled():
+def test_a_mixture_of_experts_is_in_scope_but_dropless_dispatch():
     moe = config.load("experiments/moe_tiny.yaml")
-    assert all("mixture of experts" in memory.out_of_scope(moe, p) for p in ("cpu", "gpu"))
+    assert all(memory.out_of_scope(moe, p) is None for p in ("cpu", "gpu"))
+    dropless = config.load("experiments/moe_tiny.yaml", ["model.moe_dispatch=dropless", "layout=batch:data"])
+    assert all("ragged_dot" in memory.out_of_scope(dropless, p) for p in ("cpu", "gpu"))

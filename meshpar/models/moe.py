@@ -47,6 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models.layers import DTYPES
 from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import tracing
 from meshpar.sharding.layout import constrain, use
 
 # An MoE layer's parameters by MLP kind (besides the router), and every one's dims without the
@@ -74,12 +75,52 @@ def capacity(cfg: Any, group: int) -> int:
     return max(1, math.ceil(cfg.moe_capacity_factor * group * cfg.moe_top_k / cfg.moe_experts))
 
 
+def _split(dim: str) -> int:
+    """How many ways the step's layout splits `dim` where the model is traced at one device's
+    shapes (:mod:`meshpar.plan.memory`, whose shapes are already divided by it); 1 otherwise."""
+    splits = tracing.current().splits
+    return 1 if splits is None else max(splits.get(dim, 1), 1)
+
+
+def _whole(router: jax.Array) -> jax.Array:
+    """The router's weights ``[embed, experts]`` whole, as :func:`use` gathers them: at one
+    device's shapes (:func:`_split`) this device's experts' columns stand for every device's."""
+    ways = _split("experts")
+    return router if ways == 1 else jnp.tile(router, (1, ways))
+
+
 def _sizes(cfg: Any, router: jax.Array) -> tuple[int, int]:
-    """(experts, k) as the router's weights ``[embed, experts]`` give them: the config's, except
-    where the planner traces one device's shapes (:mod:`meshpar.plan.memory`) with the experts
-    split, where this device's experts stand for them (an estimate: routing needs every expert)."""
+    """(experts, k) as the whole router's weights ``[embed, experts]`` (:func:`_whole`) give them."""
     experts = router.shape[-1]
     return experts, min(cfg.moe_top_k, experts)
+
+
+def _to_experts(x: jax.Array) -> jax.Array:
+    """At one device's shapes (:func:`_split`), the routed tokens ``[groups, experts, capacity,
+    embed]`` placed by the batch's rule (:data:`BY_GROUP`) → this device's share where the
+    experts are (:data:`BY_EXPERT`), which the constraint alone gives at global shapes: its
+    experts, of the groups of every device that shares the experts' axes with the batch (an
+    all-to-all over those axes, a slice over the others)."""
+    ways, shared = _split("experts"), max(_split("batch") // _split("expert_groups"), 1)
+    if ways == 1:
+        return x
+    groups, experts, slots, d = x.shape
+    x = x.reshape(groups, ways, experts // ways, slots, d)[:, : min(shared, ways)]
+    return x.transpose(1, 0, 2, 3, 4).reshape(-1, experts // ways, slots, d)
+
+
+def _to_groups(x: jax.Array) -> jax.Array:
+    """:func:`_to_experts` backwards: this device's experts' outputs → every expert's output of
+    this device's groups (an all-to-all over the shared axes, an all-gather over the others)."""
+    ways, shared = _split("experts"), max(_split("batch") // _split("expert_groups"), 1)
+    if ways == 1:
+        return x
+    shared = min(shared, ways)
+    rows, local, slots, d = x.shape
+    x = x.reshape(shared, rows // shared, local, slots, d).transpose(1, 0, 2, 3, 4)
+    if ways > shared:
+        x = jnp.concatenate([x] * (ways // shared), axis=1)
+    return x.reshape(rows // shared, ways * local, slots, d)
 
 
 def group_size(cfg: Any, tokens: int) -> int:
@@ -136,7 +177,8 @@ def _capacity_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     ``tokens · k`` assignments dropped."""
     batch, length, d = h.shape
     tokens = batch * length
-    group = group_size(cfg, tokens)
+    group = group_size(cfg, tokens * _split("batch"))  # the whole batch's groups (one device's, traced alone)
+    group = group if tokens % group == 0 else group_size(cfg, tokens)
     groups, k = tokens // group, idx.shape[-1]
     x = constrain(h.reshape(groups, group, d), TOKENS)  # [groups, group, embed]
     dispatch, combine = dispatch_masks(w["router"].shape[-1], idx.reshape(groups, group, k), weights.reshape(groups, group, k),
@@ -144,8 +186,8 @@ def _capacity_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     dispatch = constrain(dispatch, ("batch", None, None, None))  # [groups, group, experts, capacity]
     combine = constrain(combine, ("batch", None, None, None))
     expert_in = constrain(jnp.einsum("gsec,gsm->gecm", dispatch.astype(h.dtype), x), BY_GROUP)
-    expert_out = _expert_mlp(cfg, w, constrain(expert_in, BY_EXPERT))  # all-to-all in and out
-    y = jnp.einsum("gsec,gecm->gsm", combine.astype(h.dtype), constrain(expert_out, BY_GROUP))
+    expert_out = _expert_mlp(cfg, w, _to_experts(constrain(expert_in, BY_EXPERT)))  # all-to-all in and out
+    y = jnp.einsum("gsec,gecm->gsm", combine.astype(h.dtype), constrain(_to_groups(expert_out), BY_GROUP))
     dropped = 1.0 - jnp.sum(dispatch) / (tokens * k)
     return constrain(y, TOKENS).reshape(batch, length, d), dropped
 
@@ -183,7 +225,7 @@ def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dic
     load-balancing loss), ``z`` (router z-loss) and ``dropped`` (share of assignments), scalars."""
     dt = DTYPES[cfg.compute_dtype]
     # The router's weights whole on every device: top-k needs every expert's logit.
-    router = use(p["router"], ("embed", None), jnp.float32)
+    router = _whole(use(p["router"], ("embed", None), jnp.float32))
     logits = constrain(jnp.einsum("blm,me->ble", h.astype(jnp.float32), router), ("batch", "length", None))
     experts, k = _sizes(cfg, router)
     probs, idx, weights = route(logits, k)

@@ -16,6 +16,7 @@ from meshpar import jaxprs
 from meshpar.configuration.config import Config
 from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
+from meshpar.sharding import tracing
 
 
 def platform(step: parts.AbstractStep) -> str:
@@ -24,13 +25,18 @@ def platform(step: parts.AbstractStep) -> str:
 
 
 @contextlib.contextmanager
-def on_target(step: parts.AbstractStep) -> Iterator[None]:
+def on_target(step: parts.AbstractStep, local: bool = False) -> Iterator[None]:
     """Within this block a model traced at one device's shapes makes the choices it makes for the
     step's target (:func:`meshpar.sharding.layout.platform`: the layer loop's form, the attention kernel),
     not this host's: one device of the step's mesh is active, under a layout that splits
-    nothing, so every constraint is a relabelling and the shapes stay one device's."""
+    nothing, so every constraint is a relabelling and the shapes stay one device's. `local`:
+    the model is traced at one device's shapes (:func:`local_params`, :func:`device_batch`),
+    and the trace says how many ways the step's layout splits each dim
+    (:attr:`meshpar.sharding.tracing.Trace.splits`), for the model code that moves a tensor
+    from one split to another."""
     one = jax.sharding.Mesh(np.asarray(step.mesh.devices.flat[:1]), ("device",))
-    with layout_lib.activate(layout_lib.Layout.create("", {"device": 1}), one):
+    splits = {dim: step.layout.axis_size(dim) for dim, _ in step.layout.rules} if local else None
+    with tracing.using(splits=splits), layout_lib.activate(layout_lib.Layout.create("", {"device": 1}), one):
         yield
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jax.sharding import Mesh
@@ -40,6 +40,11 @@ class Trace:
     # pass, in `memory` ("pinned_host": offloaded; "device": saved), in place of model.remat.
     keep: tuple[tuple[str, ...], str] | None = None
     seen: set[str] | None = None  # collects every dim the model places (None: not collected)
+    # A trace at one device's shapes (the planner's memory model): how many ways the step's
+    # layout splits each logical dim, which the traced shapes are already divided by. Model
+    # code that moves a tensor from one split to another (the routed tokens of
+    # meshpar.models.moe, from the batch's axes to the experts') reads it for its per-device shape.
+    splits: Mapping[str, int] | None = None
 
 
 _CURRENT: contextvars.ContextVar[Trace] = contextvars.ContextVar("meshpar_trace", default=Trace())

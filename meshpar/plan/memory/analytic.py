@@ -365,7 +365,7 @@ def saved_activations(
     loop too), as a pipeline stage's layers run inside the tick loop (:mod:`meshpar.plan.memory.stage_axis`)."""
     loss, params = local_loss(cfg, step, remat, unrolled, rolled)
     local = shapes.device_batch(cfg, step)
-    with shapes.on_target(step):  # the layer loop's form and the attention kernel the target's
+    with shapes.on_target(step, local=True):  # the layer loop's form and the attention kernel the target's
         cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
         kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
                                         dtypes=dtypes, cheap=cheap, looped=rolled)  # fmt: skip
@@ -382,11 +382,13 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
         return "bfloat16 compute on XLA:CPU (it computes bfloat16 matmuls in float32 and keeps float32 copies)"
     if model.dropout > 0.0:
         return "dropout (XLA keeps the 32-bit random bits behind each mask)"
-    if model.experts:
-        # Not modelled yet: the routed tokens' dispatch and combine buffers ([groups, experts,
-        # capacity, embed] and their one-hot maps) and the experts' split (validate_memory:
-        # moe_tiny 18.5% under XLA's total); the compiled check decides alone.
-        return "mixture of experts (the model does not count the routed tokens' dispatch buffers yet)"
+    if model.experts and getattr(cfg.model, "moe_dispatch", "capacity") == "dropless":
+        # jax lowers ragged_dot on XLA:CPU and XLA:GPU alike (_ragged_dot_general_impl, without
+        # jax_ragged_dot_use_ragged_dot_instruction) to one dot over every expert of masked copies
+        # of its rows, and its weight gradient likewise: validate_memory found moe_tiny dropless
+        # at a tenth of XLA's total on both
+        return ("dropless mixture-of-experts dispatch (jax lowers ragged_dot to a dot over every expert of "
+                "masked copies of its rows: [experts, rows, embed])")  # fmt: skip
     axes = {name for name, size in cfg.mesh if size != 1}
     if any(dim == "length" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
         # XLA's partitioner gathers keys and values over the split and reshards the dense
@@ -498,7 +500,9 @@ def _staged(cfg: Config, step: parts.AbstractStep) -> _Staged:
     kept = saved_activations(cfg, step, rolled=True, matmuls_at=tick_at)  # one microbatch: a tick's
     loop_at = min((r.at for r in outer if r.loop), default=0)
     loss, local = local_loss(whole, step, rolled=True)
-    with shapes.on_target(step):  # the logits cast to float32 for the loss: their cotangent comes back in it
+    with shapes.on_target(
+        step, local=True
+    ):  # the logits cast to float32 for the loss: their cotangent comes back in it
         widened = stages.widened_matmuls(jax.make_jaxpr(loss)(local, shapes.device_batch(whole, step)).jaxpr)
     outside = [dataclasses.replace(r, cot=widened[r.nbytes]) if r.label == "dot_general" and not r.cot
                and widened.get(r.nbytes, 0) > r.nbytes else r for r in outer if not r.loop]  # fmt: skip

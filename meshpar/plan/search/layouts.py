@@ -13,7 +13,9 @@ none; and, for a model with a layer stack (its family's ``stack_layers``,
 layers and the devices, first in the mesh (its neighbours the furthest apart: a pipeline moves
 the fewest bytes of any split, one microbatch's activations per tick, so it takes the slowest
 link), carrying ``layers:stage`` and nothing else (:mod:`meshpar.sharding.stages`). Every other dim
-is replicated; the config's other sections (remat, feed, the pipeline's schedule where there is
+is replicated but, for a mixture of experts (its family's ``experts``), the experts: split
+over any one mesh axis (but the stage axis) whose size divides their count, or replicated
+(``experts:<axis>``, :mod:`meshpar.models.moe`); the config's other sections (remat, feed, the pipeline's schedule where there is
 a stage axis, ...) are kept.
 
 **Microbatches** (``train.microbatches``, :func:`microbatch_counts`): each choice is planned with
@@ -73,6 +75,9 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
   and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
   the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
   compute dtype (with k microbatches of accumulation, k times as many, of 1/k the rows);
+* experts (a mixture of experts) — the all-to-alls of its routed tokens, as the layout's
+  re-placements in the traced program imply them (:func:`meshpar.plan.time.reshards.all_to_alls`),
+  each on its mesh axes' link;
 * pipeline (a stage axis; :mod:`meshpar.plan.memory.stage_axis`) — the compute of the layer stack
   (its share of the family's FLOPs, :attr:`meshpar.models.Family.layer_flops`) over S stages
   and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
@@ -120,7 +125,7 @@ from meshpar.plan.memory import stage_axis as stages
 from meshpar.plan.out_of_core import offload_cost, offload_plan, unified
 from meshpar.plan.report import fmt_bytes
 from meshpar.plan.search import candidates
-from meshpar.plan.time import timing
+from meshpar.plan.time import reshards, timing
 from meshpar.run import aot, compile_cache, parts, throughput, trainer
 from meshpar.run import inputs as inputs_lib
 from meshpar.sharding import layout as layout_lib
@@ -143,6 +148,7 @@ class Option:
     added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
     stage: bool = False  # the layer stack over the stage axis (a pipeline); the stage axis carries nothing else
     microbatches: int = 1  # train.microbatches: gradient accumulation's, or the pipeline's
+    experts: str | None = None  # a mixture of experts: the mesh axis its experts are split over (None: replicated)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -168,15 +174,16 @@ class Option:
                 batch.index(a) if a in batch else -1,
                 self.model and a == MODEL_AXIS,
                 self.stage and a == STAGE_AXIS,
+                self.experts == a,
             ]
             last = merged[-1] if merged else None
-            busy = last and (last[2] or last[3] or role[2] or role[3])
+            busy = last and (last[2] or last[3] or last[4] or role[2] or role[3] or role[4])
             if last and not busy and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
                 last[0], last[1] = last[0] * n, role[1]
             else:
                 merged.append(role)
-        order = sorted(b for _, b, _, _ in merged if b >= 0)
-        roles = tuple((n, order.index(b) if b >= 0 else -1, m, st) for n, b, m, st in merged)
+        order = sorted(b for _, b, _, _, _ in merged if b >= 0)
+        roles = tuple((n, order.index(b) if b >= 0 else -1, m, st, e) for n, b, m, st, e in merged)
         return roles, self.fsdp and len(batch) > 0, self.microbatches
 
     def oddness(self) -> tuple[int, int]:
@@ -210,7 +217,15 @@ def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
             splits = (False, True) if MODEL_AXIS in names else (False,)
             for batch, model, fsdp in itertools.product(subsets, splits, (False, True)):
                 out.append(Option(mesh, batch, model, fsdp, added, s > 1))
+                out += [Option(mesh, batch, model, fsdp, added, s > 1, experts=a) for a in expert_axes(cfg, mesh)]
     return out
+
+
+def expert_axes(cfg: Config, mesh: tuple[tuple[str, int], ...]) -> list[str]:
+    """The mesh axes a mixture of experts' experts may be split over: each of more than one
+    device whose size divides the expert count, but the stage axis (none for a dense model)."""
+    experts = models.traits(cfg.model).experts
+    return [a for a, n in mesh if experts and n > 1 and a != STAGE_AXIS and experts % n == 0]
 
 
 def model_dims(cfg: Config) -> tuple[str, ...]:
@@ -226,6 +241,7 @@ def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, elem
     layout = (("batch", batch),) if option.batch else ()
     layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
     layout += (("layers", STAGE_AXIS),) if option.stage else ()
+    layout += (("experts", option.experts),) if option.experts else ()
     param_layout = ""
     if option.fsdp:  # replaces the config's own param_layout
         param_layout = candidates.fsdp_param_layout(cfg, element_spec, params, option.batch, option.sizes, layout, ())
@@ -262,13 +278,14 @@ class Estimate:
     feed_s: float
     exposed_feed_s: float
     pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.memory.stage_axis)
+    experts_s: float = 0.0  # a mixture of experts: its routed tokens' all-to-alls (meshpar.plan.time.reshards)
     paging_s: float = 0.0  # unified memory: what its page faults stall (meshpar.plan.out_of_core.unified)
     kernels: float = 0.0  # kernels one device launches per step, at least (see pass_kernels)
     launch_s: float = 0.0  # their fixed cost: kernels × the topology's launch_us
 
     @property
     def collective_s(self) -> float:
-        return self.gradient_s + self.activation_s + self.pipeline_s
+        return self.gradient_s + self.activation_s + self.pipeline_s + self.experts_s
 
     @property
     def total_s(self) -> float:
@@ -370,6 +387,11 @@ def estimate(
         rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
         traffic = stages.traffic(sched, rows, length, width, itemsize)
         pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
+    experts_s = 0.0
+    if model.experts:  # the routed tokens' all-to-alls, as the traced program implies them, on their axes' links
+        for axes, nbytes in reshards.all_to_alls(cfg, step).items():
+            ways = math.prod(sizes[a] for a in axes.split(","))
+            experts_s += cost.collective_seconds("all-to-all", nbytes, ways, topo.axis_link(sizes, axes))
     # every pass launches its kernels again: k passes of accumulation; a pipeline's M microbatches
     # spread over its ticks like its FLOPs (a stage runs its share of the layers per tick)
     launches = kernels * (sched.microbatches * scale if sched is not None else k)
@@ -377,7 +399,7 @@ def estimate(
     feed_s = cost.feed_seconds(cfg, topo)
     exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
     return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s,
-                    kernels=launches, launch_s=launch_s)  # fmt: skip
+                    experts_s=experts_s, kernels=launches, launch_s=launch_s)  # fmt: skip
 
 
 def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
@@ -507,9 +529,10 @@ def microbatch_counts(cfg: Config, option: Option, own_choice: tuple) -> list[in
 
 
 def _choice(option: Option) -> tuple:
-    """The option as the config's own choice is written: (mesh, batch axes, model split, FSDP, stage axis)."""
+    """The option as the config's own choice is written: (mesh, batch axes, model split, FSDP,
+    stage axis, experts' axis)."""
     mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
-    return mesh, option.batch, option.model, option.fsdp, option.stage
+    return mesh, option.batch, option.model, option.fsdp, option.stage, option.experts
 
 
 def _own_choice(cfg: Config, dims: tuple[str, ...], num_devices: int) -> tuple[dict[str, int], tuple]:
@@ -522,7 +545,7 @@ def _own_choice(cfg: Config, dims: tuple[str, ...], num_devices: int) -> tuple[d
     own = (
         own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
         any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
-        dict(cfg.layout).get("layers") == STAGE_AXIS,
+        dict(cfg.layout).get("layers") == STAGE_AXIS, dict(cfg.layout).get("experts"),
     )  # fmt: skip
     return own_mesh, own
 

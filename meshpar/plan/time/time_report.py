@@ -81,6 +81,9 @@ def step_table(step_time, topology):
     for c in step_time.collectives:
         row(f"  {c.kind}", f"{fmt_bytes(c.bytes)} over {c.axis}", c.seconds)
     row("collectives", f"{len(step_time.collectives)} ops", step_time.collective_s)
+    if step_time.all_to_all_bytes:  # a mixture of experts' routed tokens
+        detail = f"{fmt_bytes(step_time.all_to_all_bytes)}: the routed tokens to their experts and back"
+        row("  of which all-to-all", detail, step_time.all_to_all_s)
     row(
         "hidden",
         "collective time behind compute scheduled beside it",

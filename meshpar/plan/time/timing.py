@@ -133,6 +133,10 @@ class StepTime:
     # Compute seconds by component: gemm, attention, memory-bound kernels (each with its launch
     # cost), or on a roofline machine flop-bound and memory-bound ops.
     components: dict = dataclasses.field(default_factory=dict)
+    # Of `collectives`, the all-to-alls (a mixture of experts' routed tokens, moved between the
+    # batch's and the experts' axes): bytes per device and seconds, each on its axis's link.
+    all_to_all_bytes: int = 0
+    all_to_all_s: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,6 +683,7 @@ def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
         entry[1] += f.executions * collective_seconds(f)
     parts = tuple(Collective(kind, b, axis, sec) for (kind, axis), (b, sec) in merged.items())
     collective_s = sum(c.seconds for c in parts)
+    routed = [c for c in parts if c.kind == "all-to-all"]
     hidden = max(span.compute_s + collective_s - span.seconds, 0.0)
     exposed = cost.exposed_feed_seconds(feed_s, span.compute_s, cfg.feed.prefetch)
     launch = topology.kernels.launch_s * span.kernels if topology.kernels is not None else 0.0
@@ -686,6 +691,7 @@ def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
         _module_flops(module), span.compute_s, parts, collective_s, feed_s, exposed, span.seconds + exposed,
         flops_s=op_flops / flop_rate, bytes=op_bytes, memory_s=memory_s, hidden_s=hidden, kernels=span.kernels,
         launch_s=launch, basis=basis(topology), components=dict(sorted(span.components.items())),
+        all_to_all_bytes=sum(c.bytes for c in routed), all_to_all_s=sum(c.seconds for c in routed),
     )  # fmt: skip
 
 

@@ -1,0 +1,208 @@
+"""Mixture of experts on this machine: step time against a dense model of the same active
+parameters, capacity against dropless dispatch, and the all-to-all bytes planned against compiled.
+
+    python scripts/bench_moe.py [--quick] [--rounds N] [--steps N] [--json runs/bench_moe.json]
+
+moe_tiny's shape (experiments/moe_tiny.yaml: 2 layers of d_model 128, 8 SwiGLU experts of d_ff
+256, top 2), one global batch, 8 devices (``data:2,expert:4``), in this one process. Rows:
+
+* ``dense``: the baseline, the same model with a dense SwiGLU MLP of d_ff 2 × 256 = 512 (the
+  parameters one token meets in an MoE layer, less the router), data parallel over all 8;
+* ``capacity all-to-all``: the experts split over ``expert`` with the batch split over both axes
+  (``batch:(data,expert); experts:expert``): the routed tokens move by all-to-all;
+* ``capacity moe_tiny``: moe_tiny's own layout (``batch:data; experts:expert``): the batch not
+  split over the experts' axis, so each device slices its experts' tokens and gathers their
+  outputs back (no all-to-all);
+* ``capacity replicated`` and ``dropless replicated``: every expert on every device, data parallel
+  over all 8 (dropless dispatch needs the experts replicated).
+
+Each row's experiment is built as ``python -m meshpar.train`` builds it (checkpoints, eval and the
+memory pre-flight off), its train step compiled ahead of time, and run. After warm-up, rounds of
+one block of ``--steps`` steps per row (the order reversed every other round), each step waited
+for. Reported per row: the median step (measured), its ratio to the dense baseline's of the same
+round (median over rounds, 95% bootstrap interval), and the all-to-all bytes per device per step:
+measured from the compiled HLO (:func:`meshpar.plan.time.timing.collectives`, loops × their trip
+counts) and planned from the traced program before compiling
+(:func:`meshpar.plan.time.reshards.all_to_alls`). The simulated CPU devices share this host's
+cores and memory: an all-to-all here is a copy, so the step ratios show the dispatch's compute,
+not a network's cost.
+
+Exit 1 when a check fails: on every row the planned all-to-all bytes are within TOLERANCE of the
+measured (per mesh axis; both zero where the layout implies none), and the all-to-all row has
+some. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import common
+import numpy as np
+
+CONFIG = "experiments/moe_tiny.yaml"
+QUIET = ["train.progress=false", "checkpoint.every=0", "train.eval_every=0", "plan.check=false",
+         "data.max_bytes=400000"]  # fmt: skip
+QUICK_MODEL = ["model.d_model=64", "model.d_ff=128", "model.max_length=32", "data.length=32", "train.batch_size=16",
+               "model.moe_group_size=32"]  # fmt: skip
+TOLERANCE = 0.02  # |planned − measured| / measured all-to-all bytes, per mesh axis
+ALL_TO_ALL = "batch:(data,expert); experts:expert"
+REPLICATED = "batch:(data,expert)"
+# (label, layout, overrides); the first row is the baseline.
+ROWS = [
+    ("dense", REPLICATED, ["model.moe_experts=0", "DENSE_FF"]),
+    ("capacity all-to-all", ALL_TO_ALL, []),
+    ("capacity moe_tiny", "batch:data; experts:expert", []),
+    ("capacity replicated", REPLICATED, []),
+    ("dropless replicated", REPLICATED, ["model.moe_dispatch=dropless"]),
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run: a smaller model, 2 rounds of 2 steps")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of one timed block per row")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row after its first")
+    p.add_argument("--json", default="runs/bench_moe.json", help="where to write the results")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every row")
+    return p.parse_args(argv)
+
+
+class Row:
+    """One configuration: its experiment, compiled step, state, placed batches and figures."""
+
+    def __init__(self, label: str, layout: str, extra: list[str], model: list[str], args, workdir: str):
+        from meshpar.configuration import config
+        from meshpar.plan.time import reshards, timing
+        from meshpar.processes import stop
+        from meshpar.run import experiment, parts
+
+        base = config.load(CONFIG, [*model, *args.overrides])
+        dense_ff = f"model.d_ff={base.model.moe_top_k * base.model.d_ff}"  # the active MLP of an MoE layer
+        extra = [dense_ff if o == "DENSE_FF" else o for o in extra]
+        overrides = [f"layout={layout}", *extra]
+        cfg = config.load(CONFIG, [*model, *args.overrides, *QUIET, f"workdir={workdir}", *overrides])
+        self.label, self.layout, self.overrides = label, layout, overrides
+        self.planned = reshards.all_to_alls(cfg, parts.abstract_step(cfg))  # before anything is compiled
+        exp = experiment.build(cfg)
+        self.flags = stop.make_flags(exp.mesh, 0)
+        self.batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(2)]
+        t = time.perf_counter()
+        self.compiled = exp.train_step.lower(exp.state, self.batches[0], self.flags).compile()
+        self.compile_s = time.perf_counter() - t
+        self.measured: dict[str, int] = {}
+        for kind, nbytes, axes in timing.collectives(self.compiled, exp.mesh):
+            if kind == "all-to-all":
+                self.measured[axes] = self.measured.get(axes, 0) + nbytes
+        self.memory = common.memory_analysis(self.compiled)
+        self.state, metrics = self.compiled(exp.state, self.batches[0], self.flags)
+        self.first_loss = float(metrics["loss"])
+        self.steps_done, self.times = 1, []
+        self.run(args.warmup)
+
+    def run(self, n: int) -> list[float]:
+        """`n` steps, each waited for; their wall times."""
+        self.state, times = common.step_times(self.compiled, self.state, self.batches, self.flags, n, self.steps_done)
+        self.steps_done += n
+        return times
+
+
+def disagreements(planned: dict[str, int], measured: dict[str, int]) -> list[str]:
+    """The mesh axes whose planned and measured all-to-all bytes differ by more than TOLERANCE."""
+    out = []
+    for axes in sorted(set(planned) | set(measured)):
+        p, m = planned.get(axes, 0), measured.get(axes, 0)
+        if abs(p - m) > TOLERANCE * max(m, 1):
+            out.append(f"over {axes}: planned {p:,} B, measured {m:,} B")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = QUICK_MODEL if args.quick else []
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 2, 1
+    started = time.perf_counter()
+    from meshpar.sharding import mesh as mesh_lib
+
+    mesh_lib.request_cpu_devices(8)  # before the backend starts
+    import jax
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_moe-") as tmp:
+        for i, (label, layout, extra) in enumerate(ROWS):
+            rows.append(Row(label, layout, extra, model, args, os.path.join(tmp, str(i))))
+            print(f"{label}: compiled in {rows[-1].compile_s:.1f} s", file=sys.stderr)
+    base = rows[0]
+    blocks = {r.label: [] for r in rows}
+    for rnd in range(args.rounds):
+        for r in rows if rnd % 2 == 0 else rows[::-1]:
+            times = r.run(args.steps)
+            r.times += times
+            blocks[r.label].append(statistics.median(times))
+    rng = np.random.default_rng(0)
+    results, failures = [], []
+    for r in rows:
+        ratios = [b / a for a, b in zip(blocks[base.label], blocks[r.label])]
+        failures += [f"{r.label}: all-to-all bytes {d}" for d in disagreements(r.planned, r.measured)]
+        results.append({
+            "row": r.label, "layout": r.layout, "overrides": r.overrides,
+            "median_step_s": statistics.median(r.times), "step_s": r.times, "block_median_s": blocks[r.label],
+            "ratio_to_dense": {"median": statistics.median(ratios), "ci95": list(common.bootstrap_median(ratios, rng)),
+                               "per_round": ratios},
+            "all_to_all_measured_bytes": r.measured, "all_to_all_planned_bytes": r.planned,
+            "first_loss": r.first_loss, "compile_s": r.compile_s, "memory_analysis": r.memory,
+        })  # fmt: skip
+    if not rows[1].measured:
+        failures.append(f"{rows[1].label}: no all-to-all in the compiled HLO")
+    wall = time.perf_counter() - started
+    report(results, args, jax.device_count())
+    meta = {
+        "platform": jax.devices()[0].platform, "devices": jax.device_count(), "cores": len(os.sched_getaffinity(0)),
+        "jax": jax.__version__, "config": CONFIG, "model": model, "overrides": args.overrides, "rounds": args.rounds,
+        "steps_per_block": args.steps, "warmup": args.warmup, "quick": args.quick, "wall_s": wall,
+        "tolerance": TOLERANCE,
+        "sources": {
+            "median_step_s": "measured: wall clock of one train step, waited for; median over every timed block",
+            "ratio_to_dense": "measured: per round, the row's block median over the dense row's; median, 95% bootstrap",
+            "all_to_all_measured_bytes": "compiled.as_text() parsed by meshpar.plan.time.timing.collectives, per device",
+            "all_to_all_planned_bytes": "meshpar.plan.time.reshards.all_to_alls: the traced program, nothing compiled",
+            "memory_analysis": "XLA compiled.memory_analysis() of the train step, per device",
+        },
+        "failures": failures,
+    }  # fmt: skip
+    out = common.write_json(args.json, {**meta, "results": results})
+    print(f"wrote {out} in {wall:.0f} s")
+    for f in failures:
+        print(f"FAILED: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _bytes(by_axis: dict[str, int]) -> str:
+    return ", ".join(f"{b / 2**20:.2f} MiB over {a}" for a, b in sorted(by_axis.items())) or "-"
+
+
+def report(results: list[dict], args, devices: int) -> None:
+    cores = len(os.sched_getaffinity(0))
+    print(f"{devices} simulated CPU devices share {cores} cores: an all-to-all here is a copy in one host's memory")
+    print(f"{args.rounds} rounds x {args.steps} steps per row; all-to-all bytes per device per step")
+    rows = []
+    for r in results:
+        ratio = r["ratio_to_dense"]
+        rows.append([
+            r["row"], r["layout"], f"{r['median_step_s'] * 1e3:.1f}", f"{ratio['median']:.2f}",
+            "[{:.2f}, {:.2f}]".format(*ratio["ci95"]), _bytes(r["all_to_all_measured_bytes"]),
+            _bytes(r["all_to_all_planned_bytes"]), f"{r['memory_analysis']['temp_size_in_bytes'] / 2**20:.2f}",
+        ])  # fmt: skip
+    columns = [("row", "<20"), ("layout", "<36"), ("step ms (measured)", ">"), ("x dense", ">"), ("95% interval", ">"),
+               ("all-to-all (HLO)", ">"), ("all-to-all (planned)", ">"), ("temp MiB/dev", ">")]  # fmt: skip
+    print(common.table(columns, rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

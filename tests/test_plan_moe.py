@@ -1,0 +1,116 @@
+"""The planner on mixture-of-experts models: per-device memory against XLA's compiled step, the
+routed tokens' all-to-alls (read from the traced program, and priced on their axis's link), and
+the experts axis in the layout search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import pytest
+
+from meshpar.configuration import config
+from meshpar.plan import __main__ as plan_cli
+from meshpar.plan import cost, topology
+from meshpar.plan.memory import analytic as memory
+from meshpar.plan.search import layouts
+from meshpar.plan.time import reshards, timing
+from meshpar.run import aot, parts
+
+MOE = "experiments/moe_tiny.yaml"
+SMALL = ["data.max_bytes=200000", "train.progress=false"]
+ALL_TO_ALL = "layout=batch:(data,expert); experts:expert"  # the experts on an axis the batch is split on too
+
+
+def _step(overrides: list[str]):
+    cfg = config.load(MOE, [*overrides, *SMALL])
+    return cfg, parts.abstract_step(cfg)
+
+
+@pytest.mark.parametrize("overrides", [[], [ALL_TO_ALL], ["model.moe_top_k=1", "model.moe_capacity_factor=2.0"]])
+def test_memory_of_an_moe_step_is_within_the_validation_target_of_xla(overrides):
+    cfg, step = _step(overrides)
+    assert memory.out_of_scope(cfg, "cpu") is None
+    plan = memory.analytic(cfg, step)
+    xla = aot.memory(step.lower().compile())
+    total = plan.total - plan.categories["queued_inputs"]
+    assert abs(total - xla["total_bytes"]) / xla["total_bytes"] <= 0.10
+
+
+def test_one_devices_trace_dispatches_over_every_expert_and_runs_its_own():
+    cfg, step = _step([])  # data:2,expert:4: 2 of the 8 experts per device, 16 of the 32 groups of 128 tokens
+    kept = memory.saved_activations(cfg, step)
+    slots = 40  # ceil(1.25 · 128 · 2 / 8)
+    per_layer = {r.nbytes for r in kept}
+    assert 16 * 128 * 8 * slots * 4 in per_layer  # dispatch / combine [groups, group, experts, capacity], all 8 experts
+    assert 16 * 2 * slots * cfg.model.d_ff * 4 in per_layer  # the expert hidden [groups, 2 experts, capacity, d_ff]
+
+
+@pytest.mark.parametrize("overrides, axis", [([ALL_TO_ALL], "expert"), ([], None)])
+def test_planned_all_to_all_bytes_are_the_compiled_programs(overrides, axis):
+    cfg, step = _step(overrides)
+    planned = reshards.all_to_alls(cfg, step)
+    measured: dict[str, int] = {}
+    for kind, nbytes, axes in timing.collectives(step.lower().compile(), step.mesh):
+        if kind == "all-to-all":
+            measured[axes] = measured.get(axes, 0) + nbytes
+    assert planned == measured
+    assert (axis in planned) == (axis is not None)
+
+
+def test_all_to_alls_are_priced_on_their_axiss_link():
+    cfg, step = _step([ALL_TO_ALL])
+    compiled = step.lower().compile()
+    two_by_eight = topology.load("h100-sxm-2x8")
+    # the same 8 GPUs as 2 hosts of 4 (the expert axis's groups of 4 inside one) and 4 hosts of 2 (across two)
+    within, across = (dataclasses.replace(two_by_eight, num_devices=8, hosts=h) for h in (2, 4))
+    slow = dataclasses.replace(two_by_eight.node_link, bandwidth=two_by_eight.node_link.bandwidth / 10)
+    mesh = dict(step.mesh.shape)
+    assert cost.axis_link(within, mesh, "expert") is within.device_link
+    assert cost.axis_link(across, mesh, "expert") is across.node_link
+
+    def priced(topo) -> timing.StepTime:
+        return timing.predict(cfg, step, compiled, topo)
+
+    nvlink, network = priced(within), priced(across)
+    assert [c.axis for c in network.collectives if c.kind == "all-to-all"] == ["expert"]
+    assert nvlink.all_to_all_bytes == network.all_to_all_bytes > 0
+    assert nvlink.all_to_all_s != network.all_to_all_s
+    # the network's speed moves the all-to-alls that cross it, and not those inside a host
+    assert priced(dataclasses.replace(across, node_link=slow)).all_to_all_s > 2 * network.all_to_all_s
+    assert priced(dataclasses.replace(within, node_link=slow)).all_to_all_s == nvlink.all_to_all_s
+    assert timing.to_json(network)["all_to_all_bytes"] == network.all_to_all_bytes
+
+
+def test_the_search_splits_experts_that_do_not_fit_replicated():
+    cfg = config.load(MOE, [*SMALL, "model.d_model=256", "model.d_ff=2048", "model.d_head=64", "train.batch_size=16",
+                            "hardware.memory_gib=0.5"])  # fmt: skip
+    result = layouts.search(cfg, topology.load("cpu-sim"), 4, top=1)
+    assert result.best is not None and result.best.option.experts is not None
+    assert "experts:" in result.best.cfg.layout_str
+    replicated = [r for r in result.rows if r.option.experts is None and not r.option.fsdp]
+    assert replicated and not any(r.fits for r in replicated)
+
+
+@pytest.mark.gpu_target
+@pytest.mark.slow
+def test_mixtral_8x7b_fits_eight_h100s_as_its_header_says(tmp_path):
+    """experiments/mixtral_8x7b.yaml, planned for h100-sxm-8 with XLA's GPU compiler
+    (deviceless): the full 46.7 B model's program, its figures as the header states them."""
+    path = pathlib.Path("experiments/mixtral_8x7b.yaml")
+    header = " ".join(line[2:] for line in path.read_text().splitlines() if line.startswith("#"))
+    needs = float(re.search(r"plan says \"needs ([\d.]+) GiB per device", header).group(1))
+    step_ms, mfu = (float(x) for x in re.search(r"predicted step ([\d.]+) ms, [\d,]+ tokens/s, MFU ([\d.]+)%",
+                                                header).groups())  # fmt: skip
+    moved = float(re.search(r"all-to-alls move ([\d.]+) GiB per device", header).group(1))
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--config", str(path), "--topology", "h100-sxm-8", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and "H100" in plan["compiled_for"]
+    assert plan["needed_bytes"] / 2**30 == pytest.approx(needs, rel=0.01)
+    step = plan["time"]["step"]
+    assert step["total_s"] * 1e3 == pytest.approx(step_ms, rel=0.01)
+    assert step["mfu"] * 100 == pytest.approx(mfu, abs=0.1)
+    assert step["all_to_all_bytes"] / 2**30 == pytest.approx(moved, rel=0.01)
