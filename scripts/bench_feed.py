@@ -278,24 +278,22 @@ def steps(args, classes: dict, workdir: str) -> dict:
     labels = list(feeders)
     for label in labels:
         run(label, args.warmup)
-    step_s = {k: [] for k in labels}
     place_s = {k: [] for k in labels}
-    per_round = {k: [] for k in labels}  # median step time of each block
-    for r in range(args.rounds):
-        for label in labels if r % 2 == 0 else labels[::-1]:
-            t, p = run(label, args.block)
-            step_s[label] += t
-            place_s[label] += p
-            per_round[label].append(statistics.median(t))
+
+    def block(label: str) -> list[float]:
+        totals, places = run(label, args.block)
+        place_s[label] += places
+        return totals
+
+    timed = common.timed_rounds(labels, args.rounds, block, baseline=labels.index("direct"))
     rows = []
-    for label in labels:
-        ratios = [a / b for a, b in zip(per_round[label], per_round["direct"])]
+    for label, t in zip(labels, timed):
         rows.append({
             "feeder": label,
-            "median_step_ms": statistics.median(step_s[label]) * 1e3,
+            "median_step_ms": statistics.median(t["times"]) * 1e3,
             "median_place_ms": statistics.median(place_s[label]) * 1e3,
-            "ratio_vs_direct": statistics.median(ratios),
-            "ratio_95": list(common.bootstrap_median(ratios)),
+            "ratio_vs_direct": t["ratio"]["median"],
+            "ratio_95": t["ratio"]["ci95"],
             "relay_received_bytes": received[label],
             **relay_memory(feeders[label]),
         })  # fmt: skip

@@ -291,13 +291,10 @@ class Arm:
 
 
 def rounds(arms: list, rounds_n: int, window_s: float) -> list[list[float]]:
-    """Windows in rounds, each round every arm once, the order reversed every other round."""
-    table = []
-    for r in range(rounds_n):
-        order = arms if r % 2 == 0 else arms[::-1]
-        rates = {id(a): a.window(window_s) for a in order}
-        table.append([rates[id(a)] for a in arms])
-    return table
+    """Windows in rounds, each round every arm once, the order reversed every other round; per
+    round, each arm's rate."""
+    per_arm = common.interleaved(arms, rounds_n, lambda a: a.window(window_s))
+    return [list(rates) for rates in zip(*per_arm)]
 
 
 def bench_source(name: str, shape: str, loader: HostLoader, args) -> list[dict]:

@@ -34,7 +34,6 @@ some. Prints a table, writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -63,14 +62,8 @@ ROWS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a smoke run: a smaller model, 2 rounds of 2 steps")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of one timed block per row")
-    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row after its first")
-    p.add_argument("--json", default="runs/bench_moe.json", help="where to write the results")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every row")
-    return p.parse_args(argv)
+    parser = common.rounds_parser(__doc__, "a smaller model, 2 rounds of 2 steps", "runs/bench_moe.json")
+    return parser.parse_args(argv)
 
 
 class Row:
@@ -102,7 +95,7 @@ class Row:
         self.memory = common.memory_analysis(self.compiled)
         self.state, metrics = self.compiled(exp.state, self.batches[0], self.flags)
         self.first_loss = float(metrics["loss"])
-        self.steps_done, self.times = 1, []
+        self.steps_done = 1
         self.run(args.warmup)
 
     def run(self, n: int) -> list[float]:
@@ -138,23 +131,15 @@ def main(argv=None) -> int:
         for i, (label, layout, extra) in enumerate(ROWS):
             rows.append(Row(label, layout, extra, model, args, os.path.join(tmp, str(i))))
             print(f"{label}: compiled in {rows[-1].compile_s:.1f} s", file=sys.stderr)
-    base = rows[0]
-    blocks = {r.label: [] for r in rows}
-    for rnd in range(args.rounds):
-        for r in rows if rnd % 2 == 0 else rows[::-1]:
-            times = r.run(args.steps)
-            r.times += times
-            blocks[r.label].append(statistics.median(times))
-    rng = np.random.default_rng(0)
+    # Per row: its step times, each round's block median, and their ratios to the dense row's.
+    timed = common.timed_rounds(rows, args.rounds, lambda r: r.run(args.steps), rng=np.random.default_rng(0))
     results, failures = [], []
-    for r in rows:
-        ratios = [b / a for a, b in zip(blocks[base.label], blocks[r.label])]
+    for r, t in zip(rows, timed):
         failures += [f"{r.label}: all-to-all bytes {d}" for d in disagreements(r.planned, r.measured)]
         results.append({
             "row": r.label, "layout": r.layout, "overrides": r.overrides,
-            "median_step_s": statistics.median(r.times), "step_s": r.times, "block_median_s": blocks[r.label],
-            "ratio_to_dense": {"median": statistics.median(ratios), "ci95": list(common.bootstrap_median(ratios, rng)),
-                               "per_round": ratios},
+            "median_step_s": statistics.median(t["times"]), "step_s": t["times"], "block_median_s": t["block_median_s"],
+            "ratio_to_dense": t["ratio"],
             "all_to_all_measured_bytes": r.measured, "all_to_all_planned_bytes": r.planned,
             "first_loss": r.first_loss, "compile_s": r.compile_s, "memory_analysis": r.memory,
         })  # fmt: skip
@@ -163,9 +148,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
     report(results, args, jax.device_count())
     meta = {
-        "platform": jax.devices()[0].platform, "devices": jax.device_count(), "cores": len(os.sched_getaffinity(0)),
-        "jax": jax.__version__, "config": CONFIG, "model": model, "overrides": args.overrides, "rounds": args.rounds,
-        "steps_per_block": args.steps, "warmup": args.warmup, "quick": args.quick, "wall_s": wall,
+        **common.rounds_meta(args, CONFIG, model, wall),
         "tolerance": TOLERANCE,
         "sources": {
             "median_step_s": "measured: wall clock of one train step, waited for; median over every timed block",
@@ -176,11 +159,7 @@ def main(argv=None) -> int:
         },
         "failures": failures,
     }  # fmt: skip
-    out = common.write_json(args.json, {**meta, "results": results})
-    print(f"wrote {out} in {wall:.0f} s")
-    for f in failures:
-        print(f"FAILED: {f}", file=sys.stderr)
-    return 1 if failures else 0
+    return common.finish(args.json, {**meta, "results": results}, failures, wall)
 
 
 def _bytes(by_axis: dict[str, int]) -> str:

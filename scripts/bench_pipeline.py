@@ -39,7 +39,6 @@ and every row's first loss equals the baseline's to 1e-5 relative. Prints a tabl
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -74,14 +73,8 @@ LOSS_RTOL = 1e-5
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"a smoke run: {len(QUICK)} rows, 2 rounds of 2 steps")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of one timed block per row")
-    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row after its first")
-    p.add_argument("--json", default="runs/bench_pipeline.json", help="where to write the results")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every row")
-    return p.parse_args(argv)
+    parser = common.rounds_parser(__doc__, f"{len(QUICK)} rows, 2 rounds of 2 steps", "runs/bench_pipeline.json")
+    return parser.parse_args(argv)
 
 
 def label(stages: int, microbatches: int, kind: str, repeats: int) -> str:
@@ -120,7 +113,7 @@ class Row:
         self.all_gathers = sum(k == "all-gather" for k, _, _ in found)
         self.state, metrics = self.compiled(exp.state, self.batches[0], self.flags)
         self.first_loss = float(metrics["loss"])
-        self.steps_done, self.times = 1, []
+        self.steps_done = 1
         self.mesh, self.layout = mesh, layout
         self.run(args.warmup)
 
@@ -151,16 +144,10 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
     base = rows[0]
-    blocks = {r.label: [] for r in rows}  # per row, per round: the block's median step
-    for rnd in range(args.rounds):
-        for r in rows if rnd % 2 == 0 else rows[::-1]:
-            times = r.run(args.steps)
-            r.times += times
-            blocks[r.label].append(statistics.median(times))
-    rng = np.random.default_rng(0)
+    # Per row: its step times, each round's block median, and their ratios to the baseline's.
+    timed = common.timed_rounds(rows, args.rounds, lambda r: r.run(args.steps), rng=np.random.default_rng(0))
     results, failures = [], []
-    for r in rows:
-        ratios = [b / a for a, b in zip(blocks[base.label], blocks[r.label])]
+    for r, t in zip(rows, timed):
         sched = r.schedule
         rel = abs(r.first_loss - base.first_loss) / abs(base.first_loss)
         stage_permutes = sum(sched is not None and sched.axis in axes.split(",") for axes in r.permutes)
@@ -178,8 +165,8 @@ def main(argv=None) -> int:
             "row": r.label, "stages": r.key[0], "microbatches": r.key[1], "schedule": r.key[2] if sched else None,
             "repeats": r.key[3] if sched else None, "mesh": r.mesh, "layout": r.layout, "overrides": r.overrides,
             "ticks": sched.ticks if sched else None, "bubble_computed": sched.bubble if sched else None,
-            "median_step_s": statistics.median(r.times), "step_s": r.times, "block_median_s": blocks[r.label],
-            "ratio_to_baseline": {"median": statistics.median(ratios), "ci95": list(common.bootstrap_median(ratios, rng)), "per_round": ratios},
+            "median_step_s": statistics.median(t["times"]), "step_s": t["times"], "block_median_s": t["block_median_s"],
+            "ratio_to_baseline": t["ratio"],
             "first_loss": r.first_loss, "first_loss_rel_diff": rel, "compile_s": r.compile_s,
             "memory_analysis": r.memory, "hlo_collective_permutes": len(r.permutes),
             "hlo_collective_permutes_over_stage_axis": stage_permutes, "hlo_collective_permute_axes": sorted(set(r.permutes)),
@@ -188,9 +175,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
     report(results, args, jax.device_count())
     meta = {
-        "platform": jax.devices()[0].platform, "devices": jax.device_count(), "cores": len(os.sched_getaffinity(0)),
-        "jax": jax.__version__, "config": CONFIG, "model": MODEL, "overrides": args.overrides, "rounds": args.rounds,
-        "steps_per_block": args.steps, "warmup": args.warmup, "quick": args.quick, "wall_s": wall,
+        **common.rounds_meta(args, CONFIG, MODEL, wall),
         "sources": {
             "median_step_s": "measured: wall clock of one train step, waited for; median over every timed block",
             "ratio_to_baseline": "measured: per round, the row's block median over the baseline's; median, 95% bootstrap",
@@ -201,11 +186,7 @@ def main(argv=None) -> int:
         },
         "failures": failures,
     }  # fmt: skip
-    out = common.write_json(args.json, {**meta, "results": results})
-    print(f"wrote {out} in {wall:.0f} s")
-    for f in failures:
-        print(f"FAILED: {f}", file=sys.stderr)
-    return 1 if failures else 0
+    return common.finish(args.json, {**meta, "results": results}, failures, wall)
 
 
 def report(results: list[dict], args, devices: int) -> None:

@@ -193,10 +193,7 @@ def bench(config_path: str, args, workdir: pathlib.Path) -> dict:
         "meshpar_pipeline": lambda: run_meshpar(n, placed=False),
         "hand": lambda: run_hand(n),
     }
-    periods = {a: [] for a in arms}
-    for pair in range(args.pairs):
-        for arm in arms if pair % 2 == 0 else arms[::-1]:
-            periods[arm].append(run[arm]())
+    periods = dict(zip(arms, common.interleaved(arms, args.pairs, lambda arm: run[arm]())))
     exp.inputs.batches = real_batches
     rng = np.random.default_rng(0)
     out = {

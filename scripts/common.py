@@ -1,7 +1,8 @@
 """What the scripts in this folder share (it is no script itself): the repository on
-``sys.path``; timing, as medians over repeats after a warm-up; statistics over rounds (a 95%
-bootstrap interval of a median, Spearman's rank correlation); XLA's memory figures of a compiled
-program; a feeder's own timing of its placements; and a result's table and JSON.
+``sys.path``; timing, as medians over repeats after a warm-up, and in rounds against a baseline;
+statistics over rounds (a 95% bootstrap interval of a median, Spearman's rank correlation); XLA's
+memory figures of a compiled program; a feeder's own timing of its placements; and a result's
+table and JSON, and a run's end: its JSON written, its failed checks said, its exit status.
 
 A script imports it as ``import common``: Python puts a script's own folder first on
 ``sys.path``. Importing it puts the repository there too, so that a script runs from a checkout
@@ -11,17 +12,21 @@ set jax's environment (``JAX_PLATFORMS``) before jax is first imported.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import pathlib
 import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -67,6 +72,72 @@ def step_times(step, state, batches: Sequence, flags, n: int, first: int = 0) ->
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
     return state, times
+
+
+def interleaved(arms: Sequence[T], rounds: int, block: Callable[[T], Any]) -> list[list]:
+    """`rounds` rounds of one ``block(arm)`` per arm, the order reversed every other round, so
+    that a drift of the shared machine falls on all arms alike. Per arm, in `arms`' order: what
+    its blocks returned, round by round."""
+    out = [[] for _ in arms]
+    for r in range(rounds):
+        for i in range(len(arms)) if r % 2 == 0 else reversed(range(len(arms))):
+            out[i].append(block(arms[i]))
+    return out
+
+
+def timed_rounds(
+    arms: Sequence[T],
+    rounds: int,
+    block: Callable[[T], Sequence[float]],
+    baseline: int = 0,
+    rng: np.random.Generator | None = None,
+) -> list[dict]:
+    """Timed blocks in :func:`interleaved` rounds, each arm's against the `baseline`-th arm's of
+    the same round: ``block(arm)`` runs one block of `arm` and returns its wall times. Per arm, in
+    `arms`' order: ``times``, every block's times in turn; ``block_median_s``, each round's block
+    median; ``ratio``, the rounds' ratios of its block median over the baseline's, as their
+    ``median``, ``ci95`` (:func:`bootstrap_median` with `rng`: one stream through the arms in
+    turn, the baseline's included; a generator seeded 0 for each arm when None) and
+    ``per_round``."""
+    blocks = interleaved(arms, rounds, block)
+    medians = [[statistics.median(times) for times in arm] for arm in blocks]
+    out = []
+    for arm, own in zip(blocks, medians):
+        ratios = [b / a for a, b in zip(medians[baseline], own)]
+        out.append({
+            "times": [t for times in arm for t in times], "block_median_s": own,
+            "ratio": {"median": statistics.median(ratios), "ci95": list(bootstrap_median(ratios, rng)),
+                      "per_round": ratios},
+        })  # fmt: skip
+    return out
+
+
+def rounds_parser(doc: str, quick: str, json_path: str) -> argparse.ArgumentParser:
+    """The command line of a script that times rows of configurations in :func:`timed_rounds`,
+    described by the first paragraph of `doc`: ``--quick`` (a smoke run; `quick` says what it
+    runs), ``--rounds``, ``--steps`` per timed block, ``--warmup`` steps, ``--json`` (default
+    `json_path`) and config overrides for every row."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {quick}")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of one timed block per row")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row after its first")
+    p.add_argument("--json", default=json_path, help="where to write the results")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every row")
+    return p
+
+
+def rounds_meta(args: argparse.Namespace, config: str, model: Sequence[str], wall_s: float) -> dict:
+    """What the JSON of a :func:`rounds_parser` script says of its run first: the platform, the
+    device count and this process's cores, jax's version, the experiment (`config`, the `model`
+    overrides of every row, the command line's), the rounds' settings and the wall time."""
+    import jax  # here: see the module docstring
+
+    return {
+        "platform": jax.devices()[0].platform, "devices": jax.device_count(), "cores": len(os.sched_getaffinity(0)),
+        "jax": jax.__version__, "config": config, "model": model, "overrides": args.overrides, "rounds": args.rounds,
+        "steps_per_block": args.steps, "warmup": args.warmup, "quick": args.quick, "wall_s": wall_s,
+    }  # fmt: skip
 
 
 def placements(feeder, batches: Iterable, warmup: int = 1) -> list:
@@ -166,3 +237,14 @@ def write_json(path: str | pathlib.Path, data: Any, indent: int = 2) -> pathlib.
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=indent) + "\n")
     return path
+
+
+def finish(path: str | pathlib.Path, data: Any, failures: Sequence[str], wall_s: float) -> int:
+    """A checking script's end: `data` written as JSON at `path` (:func:`write_json`) and a line
+    saying where and after how long (`wall_s`), then each of `failures` on stderr as a
+    ``FAILED:`` line. The exit status: 1 when any check failed, else 0."""
+    out = write_json(path, data)
+    print(f"wrote {out} in {wall_s:.0f} s")
+    for f in failures:
+        print(f"FAILED: {f}", file=sys.stderr)
+    return 1 if failures else 0

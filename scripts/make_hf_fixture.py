@@ -184,6 +184,13 @@ def _logits(folder: Path, inputs: np.ndarray, dtype: torch.dtype, cls=LlamaForCa
     return out.float().numpy()
 
 
+def _write_references(folder: Path, ref: dict[str, np.ndarray], extra: str = "") -> None:
+    """`ref` as ``<folder>/reference.npz``, and a line: the folder's size, the largest logit, `extra`."""
+    np.savez_compressed(folder / "reference.npz", **ref)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    print(f"{folder.name}: {size / 1024:.0f} KiB, max |logit| {np.abs(ref['logits']).max():.2f}{extra}")
+
+
 def make(name: str, spec: dict, out: Path, seed: int) -> None:
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)
@@ -202,12 +209,10 @@ def make(name: str, spec: dict, out: Path, seed: int) -> None:
     loaded = LlamaForCausalLM.from_pretrained(folder)
     if spec.get("v4"):
         assert loaded.config.rope_parameters["rope_type"] == "llama3", loaded.config.rope_parameters
-    np.savez_compressed(folder / "reference.npz", **ref)
-    size = sum(p.stat().st_size for p in folder.iterdir())
     extra = ""
     if "logits_bf16" in ref:
         extra = f", torch bf16 vs f32 max |Δ| {np.abs(ref['logits_bf16'] - ref['logits']).max():.4f}"
-    print(f"{name}: {size / 1024:.0f} KiB, max |logit| {np.abs(ref['logits']).max():.2f}{extra}")
+    _write_references(folder, ref, extra)
 
 
 def _stream(tok) -> np.ndarray:
@@ -259,21 +264,39 @@ def _train(model: LlamaForCausalLM, stream: np.ndarray, seed: int) -> None:
     print(f"  (uniform over the vocabulary: {math.log(model.config.vocab_size):.3f})")
 
 
+def _greedy(model, prompts: list[np.ndarray], pad: int, **kw) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Greedy continuations (``model.generate(do_sample=False, **kw)``, ``max_new_tokens`` among
+    `kw`) of token-id `prompts`: left-padded with `pad` as a batch, and the first alone. The
+    batch's new tokens [rows, max_new_tokens] and the first prompt's alone [max_new_tokens], and
+    the references ``generate_inputs``, ``generate_mask``, ``generate_tokens`` and
+    ``generate_single`` (int32)."""
+    width = max(map(len, prompts))
+    inputs = np.full((len(prompts), width), pad, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for i, x in enumerate(prompts):
+        inputs[i, width - len(x) :], mask[i, width - len(x) :] = x, 1
+    kw = {"do_sample": False, **kw, "pad_token_id": pad}
+    with torch.no_grad():
+        batch = model.generate(torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask), **kw)
+        alone = torch.from_numpy(prompts[0][None])
+        one = model.generate(alone, attention_mask=torch.ones_like(alone), **kw)
+    tokens, single = batch[:, width:].numpy(), one[0, len(prompts[0]) :].numpy()
+    n = kw["max_new_tokens"]
+    assert tokens.shape == (len(prompts), n) and single.shape == (n,), (tokens.shape, single.shape)
+    refs = {
+        "generate_inputs": inputs.astype(np.int32),
+        "generate_mask": mask.astype(np.int32),
+        "generate_tokens": tokens.astype(np.int32),
+        "generate_single": single.astype(np.int32),
+    }
+    return tokens, single, refs
+
+
 def _generate(model: LlamaForCausalLM, tok, pad: int) -> dict[str, np.ndarray]:
     """Greedy continuations of GENERATE_PROMPTS: left-padded as a batch, and the first alone."""
     ids = [np.asarray(x, np.int64) for x in tok.encode_batch([p.encode() for p in GENERATE_PROMPTS])]
+    tokens, single, refs = _greedy(model, ids, pad, max_new_tokens=NEW_TOKENS)
     width = max(map(len, ids))
-    inputs = np.full((len(ids), width), pad, np.int64)
-    mask = np.zeros((len(ids), width), np.int64)
-    for i, x in enumerate(ids):
-        inputs[i, width - len(x) :], mask[i, width - len(x) :] = x, 1
-    kw = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "pad_token_id": pad}
-    with torch.no_grad():
-        batch = model.generate(torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask), **kw)
-        alone = torch.from_numpy(ids[0][None])
-        one = model.generate(alone, attention_mask=torch.ones_like(alone), **kw)
-    tokens, single = batch[:, width:].numpy(), one[0, len(ids[0]) :].numpy()
-    assert tokens.shape == (len(ids), NEW_TOKENS) and single.shape == (NEW_TOKENS,), (tokens.shape, single.shape)
     eos = model.generation_config.eos_token_id
     assert eos is None or not np.isin(tokens, eos).any() and not np.isin(single, eos).any(), "a row stopped early"
     for i, prompt in enumerate(GENERATE_PROMPTS):
@@ -285,13 +308,7 @@ def _generate(model: LlamaForCausalLM, tok, pad: int) -> dict[str, np.ndarray]:
                 print(f"    batch:  {tokens[i].tolist()}\n    single: {single.tolist()}")
     for i, prompt in enumerate(GENERATE_PROMPTS):
         print(f"  {prompt!r}: {len(set(tokens[i].tolist()))} distinct of {NEW_TOKENS}: {tok.decode(tokens[i])!r}")
-    return {
-        "generate_prompts": np.array(GENERATE_PROMPTS),
-        "generate_inputs": inputs.astype(np.int32),
-        "generate_mask": mask.astype(np.int32),
-        "generate_tokens": tokens.astype(np.int32),
-        "generate_single": single.astype(np.int32),
-    }
+    return {"generate_prompts": np.array(GENERATE_PROMPTS), **refs}
 
 
 def make_trained(out: Path, seed: int) -> None:
@@ -315,9 +332,7 @@ def make_trained(out: Path, seed: int) -> None:
     ref = {"inputs": inputs, "logits": _logits(folder, inputs, torch.float32)}
     loaded = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     ref.update(_generate(loaded.eval(), tok, pad=config.pad_token_id))
-    np.savez_compressed(folder / "reference.npz", **ref)
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{TRAINED_NAME}: {size / 1024:.0f} KiB, max |logit| {np.abs(ref['logits']).max():.2f}")
+    _write_references(folder, ref)
     for p in sorted(folder.iterdir()):
         print(f"  {p.name}: {p.stat().st_size / 1024:.0f} KiB")
 
@@ -337,29 +352,13 @@ def _expert_shares(model: MixtralForCausalLM, inputs: np.ndarray) -> list[np.nda
 def _generate_ids(model, prompts: list[np.ndarray], new_tokens: int, pad: int) -> dict[str, np.ndarray]:
     """Greedy continuations of token-id `prompts`, left-padded with `pad` as a batch, and the
     first alone, with no end token (every row runs `new_tokens`)."""
-    width = max(map(len, prompts))
-    inputs = np.full((len(prompts), width), pad, np.int64)
-    mask = np.zeros((len(prompts), width), np.int64)
-    for i, x in enumerate(prompts):
-        inputs[i, width - len(x) :], mask[i, width - len(x) :] = x, 1
-    kw = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": pad}
-    with torch.no_grad():
-        batch = model.generate(torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask), **kw)
-        alone = torch.from_numpy(prompts[0][None])
-        one = model.generate(alone, attention_mask=torch.ones_like(alone), **kw)
-    tokens, single = batch[:, width:].numpy(), one[0, len(prompts[0]) :].numpy()
-    assert tokens.shape == (len(prompts), new_tokens) and single.shape == (new_tokens,), (tokens.shape, single.shape)
+    tokens, single, refs = _greedy(model, prompts, pad, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     for i, row in enumerate(tokens):
         print(
             f"  prompt {i} ({len(prompts[i])} tokens): {len(set(row.tolist()))} distinct of {new_tokens}: {row.tolist()}"
         )
     print(f"  prompt 0 alone: {'same' if np.array_equal(tokens[0], single) else 'DIFFERS'} as in the batch")
-    return {
-        "generate_inputs": inputs.astype(np.int32),
-        "generate_mask": mask.astype(np.int32),
-        "generate_tokens": tokens.astype(np.int32),
-        "generate_single": single.astype(np.int32),
-    }
+    return refs
 
 
 def make_mixtral(out: Path, seed: int) -> None:
@@ -389,9 +388,7 @@ def make_mixtral(out: Path, seed: int) -> None:
     loaded.generation_config.eos_token_id = None  # no row ends early
     prompts = [rng.integers(3, config.vocab_size, n) for n in MIXTRAL_PROMPTS]
     ref.update(_generate_ids(loaded, prompts, MIXTRAL_NEW_TOKENS, pad=0))
-    np.savez_compressed(folder / "reference.npz", **ref)
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{MIXTRAL_NAME}: {size / 1024:.0f} KiB, max |logit| {np.abs(ref['logits']).max():.2f}")
+    _write_references(folder, ref)
 
 
 def main() -> None:

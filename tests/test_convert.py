@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from meshpar.hf import load as hf_load
 from meshpar.run import experiment, loop, parts
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
+from tests.support.cli import refuses_in_one_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # A run of the untied_f32 fixture's architecture: byte-level text (its vocabulary is 256).
@@ -197,10 +197,8 @@ def test_from_hf_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, kind):
     hf = _hf_copy(tmp_path)
     damage(hf)
     work = tmp_path / "W"
-    status = convert.main(["from-hf", str(hf), "--config", str(_config(tmp_path)), "--workdir", str(work), *overrides])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1, err
-    assert re.match(expected, err[0]), err[0]
+    argv = ["from-hf", str(hf), "--config", str(_config(tmp_path)), "--workdir", str(work), *overrides]
+    refuses_in_one_line(convert.main, argv, capsys, expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "llama.yaml"]  # no W, no partial folder
 
 

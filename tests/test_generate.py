@@ -23,6 +23,7 @@ from meshpar import generate
 from meshpar import train as train_cli
 from meshpar.models import llama, transformer
 from meshpar.run import decoding
+from tests.support.kv_cache import decode_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -60,18 +61,7 @@ def test_decoding_with_the_cache_gives_the_full_forward_passs_logits(cfg):
     model = module.build(cfg, {"tokens": ((17,), np.int32)}, nnx.Rngs(0))
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size))
     full = np.asarray(model(jnp.asarray(tokens)))  # [2, 12, vocab]
-    pad = 3
-    fed = tokens.copy()
-    fed[1] = np.concatenate([np.full(pad, 7), tokens[1, :-pad]])  # row 1: 3 padding slots, then its tokens
-    cache = model.init_cache(2, 16, jnp.asarray([0, pad]))
-    logits, cache = model.decode(jnp.asarray(fed[:, :8]), cache)
-    errors = [np.abs(np.asarray(logits[0]) - full[0, 7]).max(), np.abs(np.asarray(logits[1]) - full[1, 7 - pad]).max()]
-    for t in range(8, 12):
-        logits, cache = model.decode(jnp.asarray(fed[:, t : t + 1]), cache)
-        errors += [
-            np.abs(np.asarray(logits[0]) - full[0, t]).max(),
-            np.abs(np.asarray(logits[1]) - full[1, t - pad]).max(),
-        ]
+    errors, cache = decode_errors(model, tokens, full, pad=3)
     assert int(cache.index) == 12
     assert max(errors) < 1e-5, errors
     assert np.abs(full).max() > 0.1  # the logits compared are not all zero

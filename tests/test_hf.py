@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,6 +22,7 @@ from meshpar.hf import export, load, names, reader, writer
 from meshpar.hf import model_config as hf_config
 from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
+from tests.support.hf_import import import_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 LENGTH = 16
@@ -338,20 +337,6 @@ def test_tensors_transformers_skips_are_skipped(tmp_path):
 # -------------------------------------------------------------------------------------------
 # Host memory
 
-_RSS_SCRIPT = """
-import json, sys
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-from meshpar.configuration import config
-from meshpar.hf import load
-from meshpar.run import parts
-import numpy as np
-cfg = config.from_dict(json.loads(sys.argv[2]))
-step = parts.abstract_step(cfg, element_spec={"tokens": ((17,), np.dtype(np.int32))})
-_, report = load.open(sys.argv[1], cfg.model).load(step.plan.abstract.params, step.plan.shardings.params)
-print(json.dumps(report.__dict__))
-"""
-
 
 def test_an_import_keeps_host_memory_within_placed_bytes_plus_two_tensors(tmp_path, env):
     """A 71 MB float32 Llama written by meshpar's writer, imported in a process of its own on
@@ -372,10 +357,7 @@ def test_an_import_keeps_host_memory_within_placed_bytes_plus_two_tensors(tmp_pa
     (folder / "config.json").write_text(json.dumps(hf_config.to_hf(model)))
     raw = {"mesh": "data:2,model:4", "layout": MODEL_PARALLEL, "model": {"name": "llama", **arch},
            "data": {"source": "text", "length": 16}, "train": {"batch_size": 8}}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(folder), json.dumps(raw)],
-                            capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    r = json.loads(result.stdout.strip().splitlines()[-1])
+    r = import_report(folder, raw, env)
 
     model_bytes = sum(e.nbytes for e in entries)
     assert model_bytes > 30e6 and r["largest_tensor_bytes"] == 4096 * 256 * 4

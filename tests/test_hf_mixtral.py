@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -32,6 +30,9 @@ from meshpar.models import llama
 from meshpar.run import decoding, experiment, loop, parts
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
+from tests.support.cli import refuses_in_one_line
+from tests.support.hf_import import import_report
+from tests.support.kv_cache import decode_errors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MIXTRAL = FIXTURES / "mixtral_f32"
@@ -142,18 +143,7 @@ def test_decoding_an_moe_model_with_the_cache_gives_the_full_forward_passs_logit
     full, stats = model.forward(jnp.asarray(tokens))
     full = np.asarray(full)
     assert np.asarray(stats["dropped"]).max() < 1e-6 and len(stats["dropped"]) == cfg.n_layers // every
-    pad = 3
-    fed = tokens.copy()
-    fed[1] = np.concatenate([np.full(pad, 7), tokens[1, :-pad]])
-    cache = model.init_cache(2, 16, jnp.asarray([0, pad]))
-    logits, cache = model.decode(jnp.asarray(fed[:, :8]), cache)
-    errors = [np.abs(np.asarray(logits[0]) - full[0, 7]).max(), np.abs(np.asarray(logits[1]) - full[1, 7 - pad]).max()]
-    for t in range(8, 12):
-        logits, cache = model.decode(jnp.asarray(fed[:, t : t + 1]), cache)
-        errors += [
-            np.abs(np.asarray(logits[0]) - full[0, t]).max(),
-            np.abs(np.asarray(logits[1]) - full[1, t - pad]).max(),
-        ]
+    errors, cache = decode_errors(model, tokens, full, pad=3)
     assert int(cache.index) == 12 and cache.k.shape[0] == cfg.n_layers
     assert max(errors) < 1e-5, errors
     # The experts count: the same model with its experts' outputs zeroed gives other logits.
@@ -325,20 +315,6 @@ def test_model_yaml_prints_the_mixtral_section(capsys):
 # -------------------------------------------------------------------------------------------
 # Host memory
 
-_RSS_SCRIPT = """
-import json, sys
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-from meshpar.configuration import config
-from meshpar.hf import load
-from meshpar.run import parts
-import numpy as np
-cfg = config.from_dict(json.loads(sys.argv[2]))
-step = parts.abstract_step(cfg, element_spec={"tokens": ((17,), np.dtype(np.int32))})
-_, report = load.open(sys.argv[1], cfg.model).load(step.plan.abstract.params, step.plan.shardings.params)
-print(json.dumps(report.__dict__))
-"""
-
 
 def test_a_fused_mixtral_import_keeps_host_memory_within_placed_bytes_plus_two_tensors(tmp_path, env):
     """A 53 MB float32 Mixtral in transformers 5's fused spelling (8 experts; each layer's
@@ -360,10 +336,7 @@ def test_a_fused_mixtral_import_keeps_host_memory_within_placed_bytes_plus_two_t
     raw = {"mesh": "data:2,model:4", "layout": "batch:data; heads:model; d_ff:model; vocab:model",
            "model": {"name": "llama", **arch, "moe_dispatch": "dropless"},
            "data": {"source": "text", "length": 16}, "train": {"batch_size": 8}}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(folder), json.dumps(raw)],
-                            capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    r = json.loads(result.stdout.strip().splitlines()[-1])
+    r = import_report(folder, raw, env)
     model_bytes = sum(e.nbytes for e in entries)
     assert model_bytes > 50e6 and max(e.nbytes for e in entries) == 8 * 1024 * 256 * 4  # a fused gate_up_proj
     assert r["largest_tensor_bytes"] == 1024 * 256 * 4 and r["tensors"] == len(entries)
@@ -483,12 +456,8 @@ def test_from_hf_refuses_a_mixtral_that_does_not_fit_in_one_line(tmp_path, capsy
     if damage is not None:
         damage(folder)
     work = tmp_path / "W"
-    status = convert.main(
-        ["from-hf", str(folder), "--config", str(_config(tmp_path)), "--workdir", str(work), *overrides]
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1, err
-    assert re.match(expected, err[0]), err[0]
+    argv = ["from-hf", str(folder), "--config", str(_config(tmp_path)), "--workdir", str(work), *overrides]
+    refuses_in_one_line(convert.main, argv, capsys, expected)
     assert not work.exists()
 
 
