@@ -52,9 +52,25 @@ def _comment_text(lines: list[str]) -> str:
 def field_docs(cls: type, source: str | None = None) -> list[FieldDoc]:
     """The comment of every field of dataclass `cls`, in order, by the convention above.
 
-    `source` is the class's source (default: read with :func:`inspect.getsource`); a test passes
-    an edited one to check that removing a comment is noticed.
+    A field is documented where it is declared: one that `cls` inherits, in the source of the
+    base that declares it (a group never reaches from one class's fields into another's; a field
+    declared again lower down takes that declaration's comment). `source` is the source of `cls`
+    itself (default: read with :func:`inspect.getsource`, as each base's always is); a test
+    passes an edited one to check that removing a comment is noticed.
     """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    found: dict[str, FieldDoc] = {}
+    for base in reversed(cls.__mro__):
+        # the fields `base` declares in its own body, in that order
+        declared = [n for n in inspect.get_annotations(base) if n in fields] if dataclasses.is_dataclass(base) else []
+        if declared:
+            own_source = source if base is cls else None
+            found.update((d.name, d) for d in _declared_docs(base, declared, own_source))
+    return [found[f.name] for f in dataclasses.fields(cls)]
+
+
+def _declared_docs(cls: type, names: list[str], source: str | None) -> list[FieldDoc]:
+    """The comments of the fields `names` that `cls`'s own body declares (see :func:`field_docs`)."""
     source = textwrap.dedent(source if source is not None else inspect.getsource(cls))
     lines = source.splitlines()
     full, trailing = set(), {}  # line numbers (1-based) of whole-line comments; line → trailing text
@@ -66,7 +82,6 @@ def field_docs(cls: type, source: str | None = None) -> list[FieldDoc]:
             else:
                 full.add(row)
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    names = [f.name for f in dataclasses.fields(cls)]
     docs, previous, group = [], None, None  # previous statement of the body; the open group
     for stmt in node.body:
         is_field = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id in names

@@ -1,7 +1,7 @@
 """The search estimate's kernel launches against XLA:GPU's program of the same step.
 
 For Megatron's GPT (hidden 1024, 24 layers, remat full, bf16) on 8 × A100 under three layouts,
-prints the launches the analytic estimate counts (:func:`meshpar.plan.search.layouts.pass_kernels` per
+prints the launches the analytic estimate counts (:func:`meshpar.plan.search.estimates.pass_kernels` per
 pass, times the passes) beside the kernels the compiled program launches (compiled deviceless by
 XLA's GPU compiler: needs the gpu-plan extra) and their ratio; the estimate is a lower bound, so
 the script exits 1 where it counts more than the program has.
@@ -20,7 +20,7 @@ from meshpar import models
 from meshpar.configuration import config as config_lib
 from meshpar.plan import gpu_target, topology
 from meshpar.plan.memory import stage_axis as stages
-from meshpar.plan.search import layouts as search
+from meshpar.plan.search import estimates
 from meshpar.plan.time import timing
 from meshpar.run import parts
 from meshpar.sharding import mesh as mesh_lib
@@ -41,7 +41,7 @@ def main() -> int:
     for mesh, k in CASES:
         cfg = config_lib.from_dict(json.loads(json.dumps(vp._config(mesh, LAYOUT, model, 2048, 16, k))))
         step = parts.abstract_step(cfg, mesh_lib.build_mesh(cfg.mesh, target.devices[:8]))
-        per_pass = search.pass_kernels(cfg, step)
+        per_pass = estimates.pass_kernels(cfg, step)
         sched = step.plan.schedule
         share = stages.layer_share(models.family(cfg.model.name), cfg.model, step.element_spec)
         passes = k * stages.compute_scale(sched, share)  # a stage's share of each pass (1: no stage axis)

@@ -331,6 +331,7 @@ def measure(path: str, overrides: list[str]) -> dict:
 
     from meshpar.configuration import config
     from meshpar.plan.memory import analytic as memory
+    from meshpar.plan.memory import trace
     from meshpar.run import aot, parts
 
     cfg = config.load(path, [*overrides, "train.progress=false"])
@@ -342,7 +343,7 @@ def measure(path: str, overrides: list[str]) -> dict:
     plan = memory.analytic(cfg, step)
     xla = aot.memory(step.lower().compile())
     by_label: dict[str, int] = {}  # saved activations by checkpoint_name tag (else the op that makes them)
-    for r in memory.saved_activations(cfg, step):
+    for r in trace.saved_activations(cfg, step):
         by_label[r.label] = by_label.get(r.label, 0) + r.total
     return {
         **row, "analytic": plan.categories, "exact": sorted(plan.exact),

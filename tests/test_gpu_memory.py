@@ -12,6 +12,7 @@ from meshpar import jax_compat
 from meshpar.configuration import config
 from meshpar.plan import gpu_target, topology
 from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import trace
 from meshpar.plan.time import gemm
 from meshpar.run import aot, parts
 
@@ -67,9 +68,9 @@ def test_the_model_is_traced_as_the_gpu_program_runs_its_layer_loop():
     # XLA:CPU runs these two layers as straight-line code, a GPU as a loop: traced for the host,
     # the model would fuse residuals the GPU program stacks (the quickstart: 39% low)
     cfg, step = _gpu_step("experiments/quickstart.yaml", TINY_TRANSFORMER)
-    assert any(r.rolled for r in memory.saved_activations(cfg, step))
+    assert any(r.rolled for r in trace.saved_activations(cfg, step))
     cpu = parts.abstract_step(cfg)
-    assert not any(r.rolled for r in memory.saved_activations(cfg, cpu))
+    assert not any(r.rolled for r in trace.saved_activations(cfg, cpu))
 
 
 def test_a_matmuls_scratch_is_its_gemms_own_buffers_under_each_lowering():

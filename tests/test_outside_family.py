@@ -20,8 +20,8 @@ from meshpar.models import Family, Traits, decoder, llama, mlp, transformer
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import topology
 from meshpar.plan.memory import analytic as memory
-from meshpar.plan.search import candidates
-from meshpar.plan.search import layouts as search
+from meshpar.plan.search import candidates, estimates
+from meshpar.plan.search import options as options_lib
 from meshpar.run import inputs, parts, throughput
 from meshpar.run.metrics import read_jsonl
 
@@ -129,14 +129,14 @@ def _estimate(cfg, topo):
     step = parts.abstract_step(cfg)
     sizes = dict(step.mesh.shape)
     stage = "stage" in sizes
-    option = search.Option(tuple(sizes.items()), ("data",), False, False, None, stage)
-    return search.estimate(cfg, option, step, memory.analytic(cfg, step), topo, search.model_dims(cfg))
+    option = options_lib.Option(tuple(sizes.items()), ("data",), False, False, None, stage)
+    return estimates.estimate(cfg, option, step, memory.analytic(cfg, step), topo, options_lib.model_dims(cfg))
 
 
 def test_the_planner_sees_the_stack_the_width_and_remat_by_the_familys_traits():
     cfg = _cfg()
     # the search: stage axes of 2 and 4 (they divide the family's 4 layers and the 8 devices), not 8
-    assert {dict(o.mesh).get("stage", 1) for o in search.enumerate_options(cfg, 8) if o.stage} == {2, 4}
+    assert {dict(o.mesh).get("stage", 1) for o in options_lib.enumerate_options(cfg, 8) if o.stage} == {2, 4}
     # the estimate: a pipeline hands [rows, length, width] between its stages; remat runs the forward again
     topo = topology.load("h100-sxm-8")
     base, again = _estimate(cfg, topo), _estimate(_cfg("model.recompute=full"), topo)

@@ -11,7 +11,7 @@ import pytest
 from meshpar.configuration import config
 from meshpar.jax_compat import saved_residuals
 from meshpar.plan.memory import analytic as memory
-from meshpar.plan.memory import gathers, gradients, residuals
+from meshpar.plan.memory import gathers, gradients, residuals, trace
 from meshpar.plan.time import gemm
 from meshpar.run import aot, experiment, parts
 
@@ -78,12 +78,12 @@ def test_activations_fall_with_remat_and_with_microbatches():
     # the unrolled layer loop keeps each layer's slice of the stored stacks
     plain = config.load("experiments/quickstart.yaml", TINY_TRANSFORMER)
     plain_step, plain_read = parts.abstract_step(plain), set()
-    kept = sum(r.total for r in memory.saved_activations(plain, plain_step, read=plain_read))
+    kept = sum(r.total for r in trace.saved_activations(plain, plain_step, read=plain_read))
     sliced = gathers.gathers(plain, plain_step, plain_read).kept  # every layer's slice of each weight stack
     assert sliced > 0 and none == kept + sliced
     cfg = config.load("experiments/transformer_fsdp.yaml", TINY_TRANSFORMER)
     step, read = parts.abstract_step(cfg), set()
-    assert sum(r.total for r in memory.saved_activations(cfg, step, read=read)) == kept
+    assert sum(r.total for r in trace.saved_activations(cfg, step, read=read)) == kept
     gathered = gathers.gathers(cfg, step, read).kept
     assert gathered > sliced and memory.analytic(cfg, step).categories["activations"] == kept + gathered
 
@@ -268,7 +268,7 @@ def test_the_batch_is_an_argument_not_a_saved_activation():
     # stop_gradient lowers to nothing: the model's first matmul reads the batch argument itself
     cfg = config.load("experiments/mlp_model_parallel.yaml", TINY_MLP)
     rows = cfg.train.batch_size // 4  # data:4
-    kept = memory.saved_activations(cfg, parts.abstract_step(cfg))
+    kept = trace.saved_activations(cfg, parts.abstract_step(cfg))
     assert all(r.nbytes != rows * cfg.data.num_features * 4 for r in kept)
 
 

@@ -16,6 +16,7 @@ from meshpar.configuration import config
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import cost, topology
 from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import trace
 from meshpar.plan.search import layouts
 from meshpar.plan.time import reshards, timing
 from meshpar.run import aot, parts
@@ -42,7 +43,7 @@ def test_memory_of_an_moe_step_is_within_the_validation_target_of_xla(overrides)
 
 def test_one_devices_trace_dispatches_over_every_expert_and_runs_its_own():
     cfg, step = _step([])  # data:2,expert:4: 2 of the 8 experts per device, 16 of the 32 groups of 128 tokens
-    kept = memory.saved_activations(cfg, step)
+    kept = trace.saved_activations(cfg, step)
     slots = 40  # ceil(1.25 · 128 · 2 / 8)
     per_layer = {r.nbytes for r in kept}
     assert 16 * 128 * 8 * slots * 4 in per_layer  # dispatch / combine [groups, group, experts, capacity], all 8 experts

@@ -11,8 +11,9 @@ from meshpar.configuration import config
 from meshpar.plan import cost, gpu_target, topology
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.memory import stage_axis as stages
-from meshpar.plan.search import candidates
-from meshpar.plan.search import layouts as search
+from meshpar.plan.memory import trace
+from meshpar.plan.search import candidates, estimates
+from meshpar.plan.search import options as options_lib
 from meshpar.run import aot, parts
 
 CONFIG = "experiments/transformer_pipeline.yaml"
@@ -26,18 +27,20 @@ def _cfg(*overrides):
 
 def _planned(cfg, mesh, layout, stage):
     """`cfg` with `mesh` and `layout` as the search plans it: (config, abstract step, option)."""
-    new = search.with_layout(cfg, mesh, layout, "", stage)
+    new = options_lib.with_layout(cfg, mesh, layout, "", stage)
     step = parts.abstract_step(new)
     sizes = dict(step.mesh.shape)
     batch = tuple(a for a in cost.batch_axes(new.layout))
-    option = search.Option(tuple(sizes.items()), batch, any(a == "model" for _, a in new.layout), False, None, stage)
+    option = options_lib.Option(
+        tuple(sizes.items()), batch, any(a == "model" for _, a in new.layout), False, None, stage
+    )
     return new, step, option
 
 
 def _estimate(cfg, topo, mesh, layout, stage):
     """The search's analytic estimate of `cfg` with `mesh` and `layout`, as the search plans it."""
     new, step, option = _planned(cfg, mesh, layout, stage)
-    return search.estimate(new, option, step, memory.analytic(new, step), topo, search.model_dims(new))
+    return estimates.estimate(new, option, step, memory.analytic(new, step), topo, options_lib.model_dims(new))
 
 
 def _tick_loops(step) -> list[tuple[int, int, int]]:
@@ -77,7 +80,7 @@ def test_more_microbatches_lower_bubble_and_time():
         # array is global over the data axis the batch is split on.
         t = stages.traffic(sched, rows=64 // 4, length=32, embed=64, itemsize=4)
         assert t.permutes == 2 * trips * sends and t.permute_bytes == traced_bytes / step.mesh.shape["data"]
-        est = search.estimate(cfg, option, step, memory.analytic(cfg, step), topo, search.model_dims(cfg))
+        est = estimates.estimate(cfg, option, step, memory.analytic(cfg, step), topo, options_lib.model_dims(cfg))
         compute[m], stretch[m] = est.compute_s, trips / m
     assert compute[2] > compute[4] > compute[8]
     # The layers' compute is stretched by the traced ticks per microbatch, the rest (embedding,
@@ -100,7 +103,7 @@ def test_layer_params_per_device_fall_with_stages():
     for s in (1, 2, 4):
         mesh = f"stage:{s},data:{8 // s}" if s > 1 else "data:8"
         layout = "batch:data; layers:stage" if s > 1 else "batch:data"
-        cfg = search.with_layout(_cfg("model.n_layers=4", "train.microbatches=2"), mesh, layout, "", s > 1)
+        cfg = options_lib.with_layout(_cfg("model.n_layers=4", "train.microbatches=2"), mesh, layout, "", s > 1)
         step = parts.abstract_step(cfg)
         per_device[s] = memory.analytic(cfg, step).categories["params"]
     assert per_device[1] > per_device[2] > per_device[4]
@@ -118,7 +121,7 @@ def test_prediction_against_compiled_on_an_untuned_shape():
     total = plan.total - plan.categories["queued_inputs"]
     assert abs(total - xla["total_bytes"]) / xla["total_bytes"] < 0.10, (total, xla)
     # the fake (the non-pipelined model's one microbatch of residuals) would be far off
-    assert plan.categories["activations"] > 3 * sum(r.total for r in memory.saved_activations(cfg, step))
+    assert plan.categories["activations"] > 3 * sum(r.total for r in trace.saved_activations(cfg, step))
 
 
 @pytest.mark.gpu_target
@@ -173,12 +176,12 @@ def test_stage_axis_wins_over_slow_links_and_not_by_much_on_one_node(tmp_path):
 
 def test_search_enumerates_stage_axes_only_where_layers_divide():
     cfg = _cfg("model.n_layers=6")
-    options = search.enumerate_options(cfg, 8)
+    options = options_lib.enumerate_options(cfg, 8)
     sizes = {dict(o.mesh).get("stage", 1) for o in options if o.stage}
     assert sizes == {2}  # 6 layers: 2 divides both, 4 and 8 do not divide the layers
     assert all(o.stage == (dict(o.mesh).get("stage", 1) > 1) for o in options)
     mlp = config.load("experiments/mlp_data_parallel.yaml", ["train.progress=false"])
-    assert not any(o.stage for o in search.enumerate_options(mlp, 8))  # no layer stack, no stage axis
+    assert not any(o.stage for o in options_lib.enumerate_options(mlp, 8))  # no layer stack, no stage axis
 
 
 def test_preflight_proposes_a_stage_split_when_nothing_else_fits():
@@ -186,7 +189,7 @@ def test_preflight_proposes_a_stage_split_when_nothing_else_fits():
     # over the 8 devices FSDP would split it over, and the optimizer state is on the host already
     cfg = _cfg("train.microbatches=1", "model.n_layers=8", "model.d_model=196", "model.d_ff=600", "model.n_heads=1",
                "model.d_head=196", "train.batch_size=8", "offload.optimizer=true")  # fmt: skip
-    cfg = search.with_layout(cfg, "data:8", "batch:data", "", False)
+    cfg = options_lib.with_layout(cfg, "data:8", "batch:data", "", False)
     step = parts.abstract_step(cfg)
     params = memory.analytic(cfg, step).categories["params"]
     found = candidates.search(cfg, step, step.element_spec, int(params * 1.6))  # less than params + their gradients

@@ -7,8 +7,9 @@ from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import topology
 from meshpar.plan.memory import analytic as memory
+from meshpar.plan.search import estimates, search_report
 from meshpar.plan.search import layouts as search_lib
-from meshpar.plan.search import search_report
+from meshpar.plan.search import options as options_lib
 from meshpar.run import experiment
 from meshpar.sharding import layout as layout_lib
 
@@ -156,8 +157,8 @@ def test_each_layout_gets_the_fewest_microbatches_that_fit():
     assert split, [(r.cfg.mesh_str, r.cfg.layout_str, r.cfg.train.microbatches, r.memory_bytes) for r in result.rows]
     for row in split:  # half as many microbatches on the same layout does not fit
         k = row.cfg.train.microbatches
-        fewer = search_lib.with_layout(row.cfg, row.cfg.mesh_str, row.cfg.layout_str,
-                                       layout_lib.format_rules(row.cfg.param_layout), False, k // 2)  # fmt: skip
+        fewer = options_lib.with_layout(row.cfg, row.cfg.mesh_str, row.cfg.layout_str,
+                                        layout_lib.format_rules(row.cfg.param_layout), False, k // 2)  # fmt: skip
         assert memory.analytic(fewer).total > usable, (row.cfg.mesh_str, row.cfg.layout_str, k)
         assert f"train.microbatches={k}" in row.overrides  # the choice says how to run it
     assert all(r.cfg.train.microbatches == 1 for r in result.rows if r.fits and r not in split)
@@ -181,11 +182,11 @@ def test_the_estimates_kernels_are_a_lower_bound_on_the_gpu_programs(microbatche
     topo = topology.load("h100-sxm-8")
     target = gpu_target.target(topo, cfg.mesh)
     step = parts.abstract_step(cfg, devices=target.devices)
-    kernels = search_lib.pass_kernels(cfg, step)
+    kernels = estimates.pass_kernels(cfg, step)
     compiled = timing.predict(cfg, step, step.lower().compile(), topo, 0.0).kernels
     assert 0 < kernels * microbatches <= compiled
     remat = config_lib.load("experiments/quickstart.yaml", ["model.remat=full"])
-    assert search_lib.pass_kernels(remat, parts.abstract_step(remat, devices=target.devices)) > kernels
+    assert estimates.pass_kernels(remat, parts.abstract_step(remat, devices=target.devices)) > kernels
 
 
 def test_the_compiled_best_are_distinct_layouts_each_at_its_best_count():

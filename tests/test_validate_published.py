@@ -87,7 +87,7 @@ def test_a_row_is_compiled_for_its_gpu_and_priced(tmp_path):
 
 
 def test_search_choices_map_onto_megatrons_layouts_or_none():
-    from meshpar.plan.search.layouts import Option
+    from meshpar.plan.search.options import Option
 
     dp8 = Option((("data", 8), ("model", 1)), ("data",), False, False, "model")
     tp2 = Option((("stage", 2), ("data", 2), ("model", 2)), ("data",), True, False, None, True)

@@ -34,13 +34,13 @@ from typing import Any, Literal
 import numpy as np
 from flax import nnx
 
-from meshpar.models import decoder
+from meshpar.models import decoder, moe_config
 
 ROPE_BASE = 10000.0  # rotary positions' base (Mesh TensorFlow's)
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class _TransformerFields:
     name: Literal["transformer"] = "transformer"  # the family: a decoder-only Transformer language model
     d_model: int = dataclasses.field(default=256, metadata={"min": 1})  # "embed"
     n_heads: int = dataclasses.field(default=4, metadata={"min": 1})  # "heads"
@@ -77,25 +77,11 @@ class TransformerConfig:
     # costs more there than the compile time it saves: stacked residuals are zero-filled,
     # sliced and copied) unless remat is on, else 1.
     scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
-    # Mixture of experts (meshpar.models.moe): experts per MoE layer, the "experts" dim (0 =
-    # every MLP dense); a layout rule experts:<axis> splits them, and the axis must divide them.
-    moe_experts: int = dataclasses.field(default=0, metadata={"min": 0})
-    # Experts each token is routed to, 1 <= k <= moe_experts: top-k of the router's softmax,
-    # renormalised over the k when k > 1 (Mixtral), the probability itself when k = 1 (Switch).
-    moe_top_k: int = dataclasses.field(default=2, metadata={"min": 1})
-    # Every moe_every-th layer is an MoE layer (the last of each group of moe_every; 1 = all);
-    # must divide n_layers. The layer loop runs over those groups.
-    moe_every: int = dataclasses.field(default=1, metadata={"min": 1})
-    # capacity = GShard/Switch: each expert takes at most ceil(moe_capacity_factor *
-    # group * k / moe_experts) tokens of each group of moe_group_size, the rest are dropped
-    # (counted in the metrics); dropless = every token runs (sorted by expert, ragged_dot),
-    # experts replicated only (no layout rule for experts).
-    moe_dispatch: Literal["capacity", "dropless"] = "capacity"
-    moe_capacity_factor: float = dataclasses.field(default=1.25, metadata={"min": 0.0})  # > 0
-    # Tokens per routing group (at most: the largest divisor of batch x length not above it).
-    moe_group_size: int = dataclasses.field(default=1024, metadata={"min": 1})
-    moe_aux_coef: float = dataclasses.field(default=0.01, metadata={"min": 0.0})  # x the load-balancing loss
-    moe_z_coef: float = dataclasses.field(default=0.001, metadata={"min": 0.0})  # x the router z-loss
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(moe_config.MoEFields, _TransformerFields):
+    """A transformer's ``model`` section: its own fields, then the mixture-of-experts ones."""
 
 
 def switches(cfg: TransformerConfig) -> decoder.DecoderConfig:

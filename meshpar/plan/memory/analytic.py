@@ -16,9 +16,9 @@ feeding), in bytes:
 * ``optimizer`` (exact) — every optimizer-state leaf's shard (moments placed like their
   parameters, counts and scalars whole), plus the step counter and the RNG key.
 * ``activations`` (estimate) — the residuals of one microbatch that XLA keeps for the backward
-  pass (:func:`saved_activations`). They are JAX's own residuals of the model's loss under the
-  ``model.remat`` policy in use (``jax.vjp``'s forward jaxpr), traced at one device's shapes
-  (every parameter at its shard in the activation layout, the batch at its per-device rows
+  pass (:func:`meshpar.plan.memory.trace.saved_activations`). They are JAX's own residuals of
+  the model's loss under the ``model.remat`` policy in use (``jax.vjp``'s forward jaxpr), traced
+  at one device's shapes (every parameter at its shard in the activation layout, the batch at its per-device rows
   divided by ``train.microbatches`` and every other dim at the shard the model first places it
   in: the MLP's ``pixels`` under Mesh TensorFlow's mnist layout), each stacked over the layer
   loop it comes from (a stack of one layer is a loop of one iteration), filtered
@@ -170,8 +170,8 @@ loop (the stage's gradient accumulators and one tick's gradient stacks) or the u
 better of XLA's two orders (:mod:`meshpar.plan.memory.stage_axis`). That is XLA:GPU's program (0.95-1.03 of
 its figure on 49 published pipelined rows: ``scripts/validate_published.py --memory``); a step
 compiled for XLA:CPU keeps the earlier accounting (a stage's residuals over the ticks, the
-pipeline's buffers as workspace: :func:`_pipelined_cpu`), checked against XLA:CPU by
-``scripts/validate_memory.py``.
+pipeline's buffers as workspace: :func:`meshpar.plan.memory.pipelined.cpu_categories`), checked
+against XLA:CPU by ``scripts/validate_memory.py``.
 
 **Host offload** (the ``offload`` section; what lives where: :func:`meshpar.plan.out_of_core.offload_plan.placement`)
 moves bytes from these device categories to ``Breakdown.host``, per device, in pinned host memory:
@@ -261,28 +261,18 @@ gathers keys and values over ``length``).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from meshpar import models
 from meshpar.configuration.config import Config
-from meshpar.plan import cost, programs, shapes
-from meshpar.plan.memory import backward as backward_phase
-from meshpar.plan.memory import gathers, gradients, residuals
-from meshpar.plan.memory import stage_axis as stages
+from meshpar.plan.memory import gathers, gradients, phases, pipelined, trace, train_state
 from meshpar.plan.out_of_core import offload_plan
-from meshpar.plan.time import gemm
-from meshpar.run import aot, parts, throughput, trainer
+from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import offload
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
-EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
 HOST_EXACT = frozenset({"params", "optimizer", "activations"})  # host offload's column (see above)
 
 
@@ -306,72 +296,6 @@ class Breakdown:
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
-
-
-def local_loss(
-    cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False, rolled: bool = False
-):
-    """The model's loss as a function of the parameters and the batch, and the parameters at one
-    device's shapes (see :func:`saved_activations` for `remat` and `unrolled`)."""
-    state, batch, _ = step.args
-    params = shapes.local_params(state.params, step.layout, step.mesh)
-    graphdef = step.plan.graphdef
-    offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
-    model, own = cfg.model, models.traits(cfg.model)  # the loop's form set where the family names a field for it
-    if unrolled and own.stack_layers is not None:
-        model = models.with_settings(model, scan_unroll=own.stack_layers)
-    if rolled:
-        model = models.with_settings(model, scan_unroll=1)
-    if remat is not None and (remat != (own.remat or remat) or offloads) or model is not cfg.model:
-        spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
-        model = models.with_settings(model, remat=remat) if remat is not None else model
-        build = functools.partial(models.family(cfg.model.name).build, model, spec)
-        graphdef, _ = trainer.abstract_model(build)
-
-    def loss(params, batch):
-        batch = jax.tree.map(jax.lax.stop_gradient, batch)  # the step differentiates the params only
-        rngs = nnx.Rngs(dropout=jax.random.key(0))
-        return nnx.merge(graphdef, params).loss(batch, rngs=rngs)[0]
-
-    return loss, params
-
-
-def saved_activations(
-    cfg: Config,
-    step: parts.AbstractStep,
-    remat: str | None = None,
-    read: set[int] | None = None,
-    uses: dict | None = None,
-    slices: list | None = None,
-    casts: list | None = None,
-    unrolled: bool = False,
-    matmuls_at: dict | None = None,
-    dtypes: dict | None = None,
-    rolled: bool = False,
-) -> list[residuals.Residual]:
-    """What one device keeps for the backward pass of one microbatch
-    (:func:`meshpar.plan.memory.residuals.kept_residuals` of the model's loss at per-device shapes, no
-    layout active). `remat`: trace the model under this ``model.remat`` instead of the config's.
-    `read` (when given) receives the indices of the parameter leaves the backward pass reads
-    (residuals that are parameters); `uses`, where each leaf's gradient is produced (the
-    parameters first, then the batch); `slices`, where the layer loop runs as a loop, what one
-    backward iteration writes out of the residual stacks
-    (:func:`meshpar.plan.memory.residuals.backward_slices`); `casts`, the parameters' widening casts
-    that are not residuals. `unrolled`: trace the layer loop as straight-line code (every layer
-    in one iteration), as the backward recomputes one layer under remat, within fusion's reach.
-    `matmuls_at`: the matmuls each place in the forward's program order runs; `dtypes`, the dtype
-    the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.memory.residuals.kept_residuals`).
-    `rolled`: trace the layer loop as a loop (every residual its body hands out kept, one layer's
-    loop too), as a pipeline stage's layers run inside the tick loop (:mod:`meshpar.plan.memory.stage_axis`)."""
-    loss, params = local_loss(cfg, step, remat, unrolled, rolled)
-    local = shapes.device_batch(cfg, step)
-    with shapes.on_target(step, local=True):  # the layer loop's form and the attention kernel the target's
-        cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
-        kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
-                                        dtypes=dtypes, cheap=cheap, looped=rolled)  # fmt: skip
-        if slices is not None and any(r.rolled for r in kept):
-            slices.append(residuals.backward_slices(loss, params, local))
-    return kept
 
 
 def out_of_scope(cfg: Config, platform: str) -> str | None:
@@ -406,389 +330,38 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     return None
 
 
-def _categories(cfg: Config, step: parts.AbstractStep, **working) -> dict[str, int]:
-    """The categories in order: `working` (params, grads, optimizer, activations, workspace) and the batches."""
-    one_batch = aot.shard_bytes(step.args[1])
-    out = {**working, "inputs": one_batch, "queued_inputs": one_batch * cost.resident_batches(cfg)}
-    if cfg.feed.mode == "routed":
-        out["relay_inputs"] = programs.relay_bytes(cfg, step.args[1])
-    return out
-
-
-@dataclasses.dataclass
-class _State:
-    """The train state's bytes per device where the offload placement puts them (:func:`_state`)."""
-
-    params: int  # on the device (parameter offload: one layer's and those outside the layers)
-    grads: int  # the gradients, and the running sum with microbatches
-    running_sum: int  # gradient accumulation's float32 sum (0 without microbatches)
-    optimizer: int  # on the device, with the step counter and the RNG key
-    host: dict[str, int]  # in pinned host memory, by category
-    fetched: int  # what the update fetches from the host beside the device's state
-    exact: frozenset[str]  # the categories computed exactly
-    place: offload_plan.Placement
-    weights: offload_plan.Weights | None  # parameter offload's per-layer weights (else None)
-
-
-def _state(cfg: Config, step: parts.AbstractStep) -> _State:
-    """The parameters, gradients and optimizer state of `step`'s plan, on the device and (host
-    offload) in host memory: exact from the shardings, but parameter offload's device share."""
-    plan = step.plan
-    params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
-    running_sum = running_sum_bytes(plan) if cfg.train.microbatches > 1 else 0
-    grads = params + running_sum
-    rest = (plan.abstract.opt_state, plan.abstract.step, plan.abstract.rng)
-    optimizer = aot.shard_bytes(rest, (plan.shardings.opt_state, plan.shardings.step, plan.shardings.rng))
-    place, host, fetched, w = offload_plan.placement(cfg, plan), {}, 0, None
-    exact = EXACT
-    if place.optimizer:  # the state lives on the host; the update fetches it (module docstring)
-        host["optimizer"] = aot.shard_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
-        optimizer -= host["optimizer"]
-        fetched += offload_plan.largest_moments(plan)
-    if place.params:  # one layer's weights (and its gradient) on the device at a time
-        w = offload_plan.weights(plan, step.layout, step.mesh)
-        host["params"], host["grads"] = params, params
-        grads, params = running_sum + w.layer, w.layer + w.other
-        fetched += 2 * offload_plan.largest_param(plan)  # a parameter and its gradient
-        exact = exact - {"params"}
-    return _State(params, grads, running_sum, optimizer, host, fetched, exact, place, w)
-
-
-def _pipelined_cpu(cfg: Config, step: parts.AbstractStep, sched, state: _State) -> Breakdown:
-    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
-    docstring of :mod:`meshpar.plan.memory.stage_axis`): params and optimizer state as the layout places
-    them (the stack's divided over the stages), one gradient per parameter and no running sum
-    (the microbatches are the pipeline's), a stage's residuals over the ticks, and the
-    pipeline's buffers as workspace: the accounting of XLA:CPU's program (:func:`_pipelined` on a GPU)."""
-    kept = saved_activations(cfg, step, rolled=True)
-    recomputed = 0
-    if models.traits(cfg.model).remat_on:  # the backward tick recomputes its group
-        full = [r for r in saved_activations(cfg, step, "none", rolled=True) if r.loop]
-        recomputed = sum(r.nbytes for r in full)  # one layer of one microbatch
-    itemsize = jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize
-    categories = _categories(
-        cfg, step, params=state.params, grads=state.params, optimizer=state.optimizer,
-        activations=stages.cpu_activations(kept, sched, stages.stack_weights(step.plan, itemsize)),
-        workspace=stages.cpu_buffers(kept, sched, recomputed),
-    )  # fmt: skip
-    return Breakdown(categories, state.exact, state.host)
-
-
-@dataclasses.dataclass
-class _Staged:
-    """A pipelined step traced (:func:`_staged`): the layers outside the stack on the whole batch,
-    the stack's on one microbatch (a tick's), and what the backward walk reads of them."""
-
-    whole: Config  # the config with no microbatches: the layers outside the stack see the whole batch
-    outside: list[residuals.Residual]  # the residuals outside the stack (their widened cotangents set)
-    kept: list[residuals.Residual]  # one microbatch's residuals: a tick's
-    loop_at: int  # the stack's place in the forward's program order
-    uses: dict  # where the backward produces each gradient
-    matmuls_at: dict  # place -> the matmuls there, the stack's at one microbatch's shapes
-    dtypes: dict  # the parameters the forward casts, to the dtype it computes with them in
-
-
-def _staged(cfg: Config, step: parts.AbstractStep) -> _Staged:
-    """The traces of a pipelined step (see :class:`_Staged`), each layer loop traced as a loop."""
-    # the layers outside the stack run on the whole batch: traced with no microbatches
-    whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
-    uses: dict = {}
-    matmuls_at: dict = {}
-    dtypes: dict = {}
-    outer = saved_activations(whole, step, uses=uses, matmuls_at=matmuls_at, dtypes=dtypes, rolled=True)
-    tick_at: dict = {}
-    kept = saved_activations(cfg, step, rolled=True, matmuls_at=tick_at)  # one microbatch: a tick's
-    loop_at = min((r.at for r in outer if r.loop), default=0)
-    loss, local = local_loss(whole, step, rolled=True)
-    with shapes.on_target(
-        step, local=True
-    ):  # the logits cast to float32 for the loss: their cotangent comes back in it
-        widened = stages.widened_matmuls(jax.make_jaxpr(loss)(local, shapes.device_batch(whole, step)).jaxpr)
-    outside = [dataclasses.replace(r, cot=widened[r.nbytes]) if r.label == "dot_general" and not r.cot
-               and widened.get(r.nbytes, 0) > r.nbytes else r for r in outer if not r.loop]  # fmt: skip
-    at = {p: v for p, v in matmuls_at.items() if p != loop_at}  # the layer loop's matmuls at a tick's shapes
-    at.update((loop_at, v) for v in tick_at.values() if v[0])
-    return _Staged(whole, outside, kept, loop_at, uses, at, dtypes)
-
-
-def _tick(cfg: Config, step: parts.AbstractStep, sched, kept: list, tick_grads: int, partial: int) -> int:
-    """What one backward tick holds beyond the stacks it walks over: its layers' gradients, one
-    layer's residual slices (and under remat its recomputed residuals beyond those kept), the
-    pipeline's buffers, and the matmul scratch at the stack's place (`partial`)."""
-    transient = stages.tick_slice(kept, sched)
-    if models.traits(cfg.model).remat_on:  # the tick's backward recomputes one layer at a time
-        one = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
-        transient += max(one - backward_phase.loop_iteration(kept), 0)
-    return tick_grads + transient + stages.buffers(kept, sched, True) + partial
-
-
-def _pipelined(cfg: Config, step: parts.AbstractStep, sched, state: _State) -> Breakdown:
-    """The breakdown of a step whose layer stack runs as the pipeline `sched` (the module
-    docstring of :mod:`meshpar.plan.memory.stage_axis`): params and optimizer state as the layout places
-    them (the stack's divided over the stages), one gradient per parameter and no running sum
-    (the microbatches are the pipeline's), and the most the step holds of the rest at once: the
-    backward outside the stack (walked as any step's, the tick loop's residual stacks held
-    through it), the backward tick loop, or the update — in the better of XLA's two orders."""
-    if shapes.platform(step) != "gpu":  # XLA:CPU's program: its own accounting, checked against XLA:CPU
-        return _pipelined_cpu(cfg, step, sched, state)
-    plan, traced = step.plan, _staged(cfg, step)
-    itemsize = jnp.dtype(throughput.compute_dtype(cfg.model)).itemsize
-    remat_on = models.traits(cfg.model).remat_on
-    weights = 0 if remat_on else stages.stack_weights(plan, itemsize)  # a remat policy keeps no weights
-    stack = stages.tick_residuals(traced.kept, sched, weights)
-    act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
-    accumulators, tick_grads = stages.stack_gradients(plan, act, sched)
-    workspace, partials = gemm.matmul_scratch(step, traced.matmuls_at)
-    for r in traced.outside:  # a widened cotangent dies before the backward's matmuls there read its narrowed copy
-        if r.cot and r.at in partials and r.at != traced.loop_at:
-            partials[r.at] = max(partials[r.at] - r.cot, 0)
-    tick = _tick(cfg, step, sched, traced.kept, tick_grads, partials.get(traced.loop_at, 0))
-    peak = _pipeline_peak(step, sched, traced, stack, accumulators, tick, partials)
-    update, _ = gradients.update_phase(
-        traced.whole, step, traced.uses, True, gradients.COMBINE_THRESHOLD, traced.dtypes
-    )
-    working = max(min(peak(True), peak(False)) + workspace, update)
-    activations = stack + sum(r.total for r in traced.outside)
-    categories = _categories(
-        cfg, step, params=state.params, grads=state.params, optimizer=state.optimizer, activations=activations,
-        workspace=working - state.params - activations,
-    )  # fmt: skip
-    return Breakdown(categories, state.exact, state.host)
-
-
-def _pipeline_peak(step: parts.AbstractStep, sched, traced: _Staged, stack: int, accumulators: int, tick: int,
-                   partials: dict) -> Callable[[bool], int]:  # fmt: skip
-    """The most a pipelined step on a GPU holds in its backward, but the matmul workspace, as a
-    function of XLA's order: the head's backward (walked over the tick loop's `stack`, one
-    residual at the stack's place) or the tick loop's (`tick` on top of the stacks), the larger."""
-    variables = jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    uses, loop_at, outside = traced.uses, traced.loop_at, traced.outside
-    stacked = {i for i, v in enumerate(variables) if gradients.stacked(v)}
-    held = gradients.held(step, uses, True)
-    # the tick loop's stacks, one residual at its place: every place after it (the head) walks over them
-    ticks = residuals.Residual(max(stack // sched.ticks, 1), sched.ticks, "ticks", loop=True, rolled=True, at=loop_at)
-    before = sum(r.total for r in outside if r.at < loop_at)  # made before the stack, held through its backward
-
-    def peak(early_zeros: bool) -> int:
-        """The head's backward or the tick loop's, the larger, in one of XLA's orders: the
-        accumulators and the embedding table's gradient zeroed at the step's start and the head's
-        weight gradients run where the backward reaches them (`early_zeros`), or zeroed where
-        the backward needs them and those weight gradients run after the tick loop (their
-        cotangents held through it)."""
-        accumulated = gradients.accumulated(step, uses, True) - stacked
-        if early_zeros:
-            accumulated |= stacked | {i for i, u in uses.items() if u.scattered and i < len(variables)}
-        early = sum(held.get(i, 0) for i in accumulated)
-        shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held}
-        together = {i: b * shares[i] for i, b in held.items() if shares[i]}  # a stacked one's: from the tick loop on
-        late = set()
-        if not early_zeros:
-            late = {i for i, u in uses.items() if u.matmul and u.at > loop_at and i < len(variables)} - stacked
-        head = backward_phase.walk([*outside, ticks], uses, len(variables), together, {}, partials, early,
-                                   False, {}, {}, late)  # fmt: skip
-        after = sum(b for i, b in together.items() if i not in late and i in uses and uses[i].at > loop_at)
-        waiting = sum(uses[i].cot or 0 for i in late)
-        loop = before + stack + early + after + waiting + (0 if early_zeros else accumulators) + tick
-        return max(head + stages.buffers(traced.kept, sched, False), loop)
-
-    return peak
-
-
-def running_sum_bytes(plan) -> int:
-    """Bytes per device of gradient accumulation's float32 running sum, in the parameters' shardings."""
-    f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), plan.abstract.params)
-    return aot.shard_bytes(f32, plan.shardings.params)
-
-
-@dataclasses.dataclass
-class _Traced:
-    """One microbatch's residuals (:func:`saved_activations`) and what the trace gives beside them."""
-
-    kept: list[residuals.Residual]
-    read: set[int] = dataclasses.field(default_factory=set)  # the parameters the backward reads
-    uses: dict = dataclasses.field(default_factory=dict)  # where the backward produces each gradient
-    slices: list[int] = dataclasses.field(default_factory=list)  # a rolled loop: one backward iteration's slices
-    casts: list[int] = dataclasses.field(default_factory=list)  # the parameters' widening casts that are not residuals
-    matmuls_at: dict = dataclasses.field(default_factory=dict)  # place -> the matmuls there (XLA:GPU's scratch)
-    dtypes: dict = dataclasses.field(default_factory=dict)  # the parameters the forward casts, to their dtype
-
-    @property
-    def rolled(self) -> bool:
-        """The layer loop runs as a loop."""
-        return any(r.rolled for r in self.kept)
-
-
-def _traced(cfg: Config, step: parts.AbstractStep, remat: str | None, slices: bool) -> _Traced:
-    """The residuals of `step` under `remat` (None: the config's own), with the trace's other
-    figures; `slices`: the backward iteration's slices of a rolled loop's stacks too."""
-    out = _Traced([])
-    out.kept = saved_activations(cfg, step, remat, read=out.read, uses=out.uses, slices=out.slices if slices else None,
-                                 casts=out.casts, matmuls_at=out.matmuls_at, dtypes=out.dtypes)  # fmt: skip
-    return out
-
-
-def _transient(cfg: Config, step: parts.AbstractStep, traced: _Traced, remat: str) -> int:
-    """What one backward iteration of the layer loop holds beside the residuals: the slices of
-    the stacks a matmul reads (traced, where nothing is recomputed), and under `remat` one
-    layer's recomputed residuals, live during its backward."""
-    transient = backward_phase.loop_iteration([r for r in traced.kept if r.sliced])
-    if traced.slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
-        transient = traced.slices[0]
-    if remat != "none":
-        recomputed = backward_phase.loop_iteration(saved_activations(cfg, step, "none", unrolled=True))
-        transient += max(recomputed - backward_phase.loop_iteration(traced.kept), 0)
-    return transient
-
-
-def _update(cfg: Config, step: parts.AbstractStep, state: _State, traced: _Traced, extra: dict,
-            compiler_options: dict | None) -> tuple[int, int, int, int | None]:  # fmt: skip
-    """(the update phase's bytes, the gradients', one backward layer-loop iteration's gradients
-    reduced into their stacks, :func:`meshpar.plan.memory.gradients.one_at_a_time`'s largest gradient
-    or None when the update needs every gradient at once)."""
-    place, grads, iteration = state.place, state.grads, 0
-    one_at_a_time = None if place.params else gradients.one_at_a_time(cfg, step)
-    if one_at_a_time is None:
-        # on XLA:GPU the update phase holds the running sum in its place (see gradients.update_phase)
-        held = 0 if shapes.platform(step) == "gpu" else state.running_sum
-        options = compiler_options or {}
-        threshold = options.get("xla_gpu_all_reduce_combine_threshold_bytes", gradients.COMBINE_THRESHOLD)
-        local = frozenset()
-        if cfg.train.microbatches > 1 and not place.params:  # the accumulation sums these axes locally
-            local = frozenset(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params))
-        update, iteration = gradients.update_phase(cfg, step, traced.uses, traced.rolled, int(threshold),
-                                                   traced.dtypes, local)  # fmt: skip
-        update += held + state.fetched
-    else:  # each gradient applied as it is produced: one at a time (and the running sum)
-        grads = state.running_sum + one_at_a_time
-        # held together, the reduced copies' room is freed before the updates run
-        update = grads + state.fetched + max(extra.values(), default=0)
-    return update, grads, iteration, one_at_a_time
-
-
-def _held_gradients(cfg: Config, step: parts.AbstractStep, state: _State, traced: _Traced, grads: int,
-                    gathered: gathers.Gathers, extra: dict,
-                    together: bool) -> tuple[dict, int, dict | None]:  # fmt: skip
-    """How the backward walk holds the gradients: (parameter leaf -> the bytes its update applies
-    where the backward produces it, the bytes held from the backward's first step, parameter leaf
-    -> the bytes each gradient holds to the update, or None when each is applied as produced).
-    `together`: the update needs every gradient at once."""
-    plan, uses, rolled = step.plan, traced.uses, traced.rolled
-    variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    accumulated = gradients.accumulated(step, uses, rolled)  # held from the backward's first step
-    held_grads = gradients.held(step, uses, rolled)
-    if state.place.params:  # one layer's gradient on the device at a time: the held bytes shared out as traced
-        traced_bytes = sum(u.nbytes for i, u in uses.items() if i < len(variables))
-        share = grads - state.running_sum + gathered.grads
-        held_grads = {i: u.nbytes * share // max(traced_bytes, 1) for i, u in uses.items()}
-    if cfg.train.microbatches == 1:  # applied where the backward produces it, else after the accumulation
-        apply = {i: (u.parts - (i in accumulated)) * u.nbytes + extra.get(i, 0) for i, u in uses.items()}
-    else:
-        apply = {}
-    early = sum(held_grads.get(i, 0) for i in accumulated)
-    held = None
-    if together:  # each part of a gradient held (a tied embedding's: the gather's and the matmul's)
-        shares = {i: (uses[i].parts if i in uses else 1) - (i in accumulated) for i in held_grads}
-        held = {i: b * shares[i] for i, b in held_grads.items() if shares[i]}
-    if cfg.train.microbatches > 1 and shapes.platform(step) == "gpu":
-        # each gradient is added to the running sum as it is produced, in place (the matmul's
-        # accumulating epilogue); one re-placed to a smaller shard exists whole until reduce-scattered
-        # the backward layer loop writes every stacked parameter's gradient into a stack of its own,
-        # all live until the loop ends (its outputs), and only then added to the running sum
-        # (re-placed ones reduce-scattered layer by layer into stacks at their own shard)
-        own = jax.tree.leaves(plan.shardings.params)
-        act = shapes.act_shardings(plan.abstract.params, step.layout, step.mesh)
-        stacks = {i: math.prod(own[i].shard_shape(v.get_value().shape)) * v.get_value().dtype.itemsize
-                  for i, v in enumerate(variables) if rolled and gradients.stacked(v)}  # fmt: skip
-        stacked = sum(stacks.values())
-        replaced = {i for i in range(len(own)) if own[i].spec != act[i].spec}
-        held, early = None, 0
-        apply = {i: stacked if i in stacks else u.nbytes if i in replaced else 0 for i, u in uses.items()}
-    return apply, early, held
-
-
-def _backward(step: parts.AbstractStep, traced: _Traced, gathered: gathers.Gathers, during: int,
-              held: tuple[dict, int, dict | None], compiler_options: dict | None) -> int:  # fmt: skip
-    """The backward walk's peak over the residuals (:func:`meshpar.plan.memory.backward.walk`), with the
-    matmul workspace and, where no layer loop is walked over, one iteration's extras: `during`,
-    what one backward iteration of the layer loop holds beyond its residuals; `held`, how the
-    gradients are held (:func:`_held_gradients`)."""
-    platform, kept, uses = shapes.platform(step), traced.kept, traced.uses
-    apply, early, together = held
-    nvars = len(jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    workspace, partials = (
-        gemm.matmul_scratch(step, traced.matmuls_at, compiler_options) if platform == "gpu" else (0, {})
-    )
-    # the backward iteration's extras where the walk reaches the loop (anywhere, without one)
-    loops = {r.at: during for r in kept if r.loop}
-    weights: dict = {}  # the weights the backward reads from copies of their own (gathered, or sliced), by place
-    for i, b in gathered.kept_by.items():
-        weights[uses[i].at] = weights.get(uses[i].at, 0) + b
-    late = set()
-    if platform == "gpu" and traced.rolled:  # weight gradients of matmuls after the layer loop, run after its backward
-        late = {i for i, u in uses.items() if i < nvars and u.matmul and u.at > min(loops, default=u.at)}
-    walk = backward_phase.walk(kept, uses, nvars, together, apply, partials, early, platform == "cpu", loops, weights,
-                               late)  # fmt: skip
-    return walk + workspace + (0 if loops else during)
-
-
-def _accumulation(cfg: Config, step: parts.AbstractStep, traced: _Traced, gathered: gathers.Gathers) -> tuple[int, int]:
-    """(backward, update): the bytes gradient accumulation (``train.microbatches`` > 1) adds to each phase."""
-    if cfg.train.microbatches == 1:
-        return 0, 0
-    batch = jax.tree.leaves(shapes.device_batch(cfg, step))
-    # the batch in microbatch-major order: a transposed copy, the loop's input
-    backward, update = cfg.train.microbatches * sum(residuals.nbytes(b) for b in batch), 0
-    # the gathers and casts leave the accumulation loop: every copy held through it
-    if shapes.platform(step) == "gpu":  # XLA:GPU gathers inside the accumulation loop, once per microbatch
-        backward += gathered.layers + sum(traced.casts)
-    else:
-        backward += gathered.rest + gathered.layers + sum(traced.casts)
-        update += gathered.copies
-    nparams = len(jax.tree.leaves(step.plan.abstract.params))  # the body's own microbatch of what the backward reads
-    backward += sum(residuals.nbytes(b) for j, b in enumerate(batch) if nparams + j in traced.read)
-    return backward, update
-
-
-def _split(kept: list[residuals.Residual]) -> tuple[int, int, int]:
-    """The residuals' bytes made before the layer loop, by it and after it (:attr:`Breakdown.residual_split`)."""
-    loop_at = min((r.at for r in kept if r.loop), default=None)
-    before = sum(r.total for r in kept if not r.loop and loop_at is not None and r.at < loop_at)
-    looped = sum(r.total for r in kept if r.loop)
-    return before, looped, sum(r.total for r in kept) - before - looped
-
-
 def analytic(cfg: Config, step: parts.AbstractStep | None = None, compiler_options: dict | None = None) -> Breakdown:
     """The config's per-device memory by category (nothing allocated; the step is not compiled —
     for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
     :func:`meshpar.plan.time.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
     (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
     step = step or parts.abstract_step(cfg)
-    state = _state(cfg, step)
+    state = train_state.state_bytes(cfg, step)
     if step.plan.schedule is not None:  # a stage axis: the pipeline's own accounting (meshpar.plan.memory.stage_axis)
-        return _pipelined(cfg, step, step.plan.schedule, state)
+        return Breakdown(pipelined.categories(cfg, step, step.plan.schedule, state), state.exact, state.host)
     place, remat = state.place, models.traits(cfg.model).remat or "none"
     if place.activations != "none":  # the named residuals on the host, the rest recomputed
         prof, remat = offload_plan.profile(cfg, step), "full"
         names = offload.activation_names(cfg.model.name, place.activations)
         state.host["activations"] = prof.named_bytes(names) * prof.layers
-    traced = _traced(cfg, step, remat if place.activations != "none" else None, slices=remat == "none")
+    traced = trace.traced(cfg, step, remat if place.activations != "none" else None, slices=remat == "none")
     kept = traced.kept
     gathered = gathers.gathers(cfg, step, traced.read, traced.rolled, traced.dtypes)  # param_layout: stored split
     activations = sum(r.total for r in kept) + gathered.kept
     if place.params and remat == "none":  # every layer's fetched weights kept for the backward
         activations += (offload_plan.profile(cfg, step).layers - 1) * state.weights.layer_compute
     extra = gradients.update_extra(cfg, step, traced.uses)  # what each leaf's update holds beyond its gradient
-    update, grads, iteration, one_at_a_time = _update(cfg, step, state, traced, extra, compiler_options)
-    held = _held_gradients(cfg, step, state, traced, grads, gathered, extra, together=one_at_a_time is None)
+    update, grads, iteration, one_at_a_time = phases.update(cfg, step, state, traced, extra, compiler_options)
+    held = phases.held_gradients(cfg, step, state, traced, grads, gathered, extra, together=one_at_a_time is None)
     # one backward iteration of the layer loop: its recomputed residuals and gathered weights
     # while it runs, or at its end, once those have died, its layer's gradients being reduced
-    during = max(_transient(cfg, step, traced, remat) + gathered.iteration, iteration)
-    backward = _backward(step, traced, gathered, during, held, compiler_options)
+    during = max(phases.transient(cfg, step, traced, remat) + gathered.iteration, iteration)
+    backward = phases.backward(step, traced, gathered, during, held, compiler_options)
     backward += activations - sum(r.total for r in kept) - gathered.kept + state.running_sum + gathered.loop
-    more_backward, more_update = _accumulation(cfg, step, traced, gathered)
+    more_backward, more_update = phases.accumulation(cfg, step, traced, gathered)
     backward, update = backward + more_backward, update + more_update
-    categories = _categories(
+    categories = train_state.categories(
         cfg, step, params=state.params, grads=grads, optimizer=state.optimizer, activations=activations,
         workspace=max(backward, update, gathered.copies + gathered.relayout) - grads - activations,
     )  # fmt: skip
-    return Breakdown(categories, state.exact, state.host, _split(kept))
+    return Breakdown(categories, state.exact, state.host, phases.residual_split(kept))

@@ -46,7 +46,7 @@ def gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool 
              dtypes: dict | None = None) -> Gathers:  # fmt: skip
     """The gathered copies of the parameters stored smaller than compute uses them
     (``param_layout``), from their shardings, and an unrolled layer loop's slices of its stacks;
-    `read`: the parameter leaves the backward reads (:func:`meshpar.plan.memory.analytic.saved_activations`);
+    `read`: the parameter leaves the backward reads (:func:`meshpar.plan.memory.trace.saved_activations`);
     `rolled`: the layer loop runs as a loop; `dtypes`: parameter leaf -> the dtype the forward
     casts it to (``use`` casts where the parameter is stored, so it is gathered in that dtype)."""
     dtypes = dtypes or {}

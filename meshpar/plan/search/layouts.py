@@ -18,8 +18,8 @@ over any one mesh axis (but the stage axis) whose size divides their count, or r
 (``experts:<axis>``, :mod:`meshpar.models.moe`); the config's other sections (remat, feed, the pipeline's schedule where there is
 a stage axis, ...) are kept.
 
-**Microbatches** (``train.microbatches``, :func:`microbatch_counts`): each choice is planned with
-counts that divide the rows one device holds. With a stage axis of S stages they are the
+**Microbatches** (``train.microbatches``, :func:`meshpar.plan.search.options.microbatch_counts`): each
+choice is planned with counts that divide the rows one device holds. With a stage axis of S stages they are the
 pipeline's, and every count of at least S is a candidate of its own (fewer leave most of each
 tick idle: the bubble is (S − 1)/M of the ticks), ranked like any other: more shrink the bubble,
 and cost a permute per tick and smaller matmuls. Without one they are gradient accumulation's,
@@ -50,7 +50,7 @@ fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either). Unde
 the device's own memory pays for its paging in its estimate (``paging_s``,
 :func:`meshpar.plan.out_of_core.offload_cost.paging`), compiled or not.
 
-**Ranked analytically** (nothing compiled), per device, :class:`Estimate`:
+**Ranked analytically** (nothing compiled), per device, :class:`meshpar.plan.search.estimates.Estimate`:
 
 * compute — the family's ``flops_per_example`` × the batch, over the devices that split the
   work (batch ways × model ways: an axis that splits nothing repeats the work), × 4/3 under
@@ -84,8 +84,8 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
   axis's activation all-reduces scaled alike); and 2·T ``collective-permute`` ops of one
   microbatch's stack output plus one all-reduce of the batch's over the stage axis's link;
 * launches — the fixed cost of every kernel (the topology's ``kernels.launch_us``) times the
-  kernels one device launches: :func:`pass_kernels` per pass (the matmuls and reductions of the
-  model's training jaxpr, a lower bound on the compiled program's), once per microbatch of
+  kernels one device launches: :func:`meshpar.plan.search.estimates.pass_kernels` per pass (the
+  matmuls and reductions of the model's training jaxpr, a lower bound on the compiled program's), once per microbatch of
   accumulation, and spread over a pipeline's ticks like its FLOPs; so more microbatches cost
   what they cost on a GPU (each pass launches every kernel again), not nothing;
 * feed — the batch's placement time (:mod:`meshpar.plan.time.feed_time`), only the part longer
@@ -107,307 +107,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 import shlex
 import time
 
 import jax
-from flax import nnx
 
 from input_pipeline.errors import DataError
-from meshpar import jaxprs, models
-from meshpar.configuration import config as config_lib
+from meshpar import models
 from meshpar.configuration.config import Config, ConfigError
-from meshpar.plan import cost, gpu_target, shapes
+from meshpar.plan import cost, gpu_target
 from meshpar.plan.memory import analytic as memory
-from meshpar.plan.memory import stage_axis as stages
-from meshpar.plan.out_of_core import offload_cost, offload_plan, unified
 from meshpar.plan.report import fmt_bytes
-from meshpar.plan.search import candidates
-from meshpar.plan.time import reshards, timing
-from meshpar.run import aot, compile_cache, parts, throughput, trainer
+from meshpar.plan.search import candidates, estimates
+from meshpar.plan.search import options as options_lib
+from meshpar.plan.time import timing
+from meshpar.run import aot, compile_cache, parts, trainer
 from meshpar.run import inputs as inputs_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
 
 MODEL_AXIS = candidates.MODEL_AXIS
-STAGE_AXIS = candidates.STAGE_AXIS
 TOP_K = 5
 TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One point of the search space: a mesh and how the dims map onto it."""
-
-    mesh: tuple[tuple[str, int], ...]
-    batch: tuple[str, ...]  # mesh axes the batch is split over, first major
-    model: bool  # the model dims on the model axis
-    fsdp: bool  # parameters and optimizer state also split over the batch axes
-    added: str | None = None  # a mesh axis the config does not have (left out of the mesh when 1-sized)
-    stage: bool = False  # the layer stack over the stage axis (a pipeline); the stage axis carries nothing else
-    microbatches: int = 1  # train.microbatches: gradient accumulation's, or the pipeline's
-    experts: str | None = None  # a mixture of experts: the mesh axis its experts are split over (None: replicated)
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
-
-    @property
-    def mesh_str(self) -> str:
-        return ",".join(f"{a}:{n}" for a, n in self.mesh if not (a in (self.added, STAGE_AXIS) and n == 1))
-
-    def key(self) -> tuple:
-        """What it places where, up to axis names: the axes of more than one device in mesh
-        order, each by its size, its place in the batch's axes (-1: none) and whether it
-        carries the model dims; neighbours that act as one axis (consecutive batch axes, or
-        two idle ones) merged, as the devices are the same row-major either way."""
-        sizes = self.sizes
-        batch = [a for a in self.batch if sizes[a] > 1]
-        merged: list[list] = []
-        for a, n in self.mesh:
-            if n == 1:
-                continue
-            role = [
-                n,
-                batch.index(a) if a in batch else -1,
-                self.model and a == MODEL_AXIS,
-                self.stage and a == STAGE_AXIS,
-                self.experts == a,
-            ]
-            last = merged[-1] if merged else None
-            busy = last and (last[2] or last[3] or last[4] or role[2] or role[3] or role[4])
-            if last and not busy and (last[1] == role[1] == -1 or -1 < last[1] == role[1] - 1):
-                last[0], last[1] = last[0] * n, role[1]
-            else:
-                merged.append(role)
-        order = sorted(b for _, b, _, _, _ in merged if b >= 0)
-        roles = tuple((n, order.index(b) if b >= 0 else -1, m, st, e) for n, b, m, st, e in merged)
-        return roles, self.fsdp and len(batch) > 0, self.microbatches
-
-    def oddness(self) -> tuple[int, int]:
-        """Rules that split nothing, and the batch on the model axis: the fewer, the plainer."""
-        sizes = self.sizes
-        ways = math.prod(sizes[a] for a in self.batch)
-        empty = sum(sizes[a] == 1 for a in self.batch) + (self.model and sizes.get(MODEL_AXIS, 1) == 1)
-        return empty + (self.fsdp and ways == 1), MODEL_AXIS in self.batch
-
-
-def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
-    """Every ordered `k`-tuple of positive integers whose product is `n`."""
-    if k == 1:
-        return [(n,)]
-    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
-
-
-def enumerate_options(cfg: Config, num_devices: int) -> list[Option]:
-    """Every (stage axis, mesh, batch axes, model split, FSDP) choice over `num_devices`,
-    duplicates included (a stage axis: see the module docstring)."""
-    names = [a for a, _ in cfg.mesh if a != STAGE_AXIS]
-    added = None
-    if len(names) <= 1 and MODEL_AXIS not in names:
-        added = MODEL_AXIS
-        names.append(MODEL_AXIS)
-    out = []
-    for s in (1, *stages.stage_sizes(models.traits(cfg.model).stack_layers, num_devices)):
-        for shape in factorisations(num_devices // s, len(names)):
-            mesh = ((STAGE_AXIS, s), *zip(names, shape)) if s > 1 else tuple(zip(names, shape))
-            subsets = [b for r in range(len(names) + 1) for b in itertools.combinations(names, r)]
-            splits = (False, True) if MODEL_AXIS in names else (False,)
-            for batch, model, fsdp in itertools.product(subsets, splits, (False, True)):
-                out.append(Option(mesh, batch, model, fsdp, added, s > 1))
-                out += [Option(mesh, batch, model, fsdp, added, s > 1, experts=a) for a in expert_axes(cfg, mesh)]
-    return out
-
-
-def expert_axes(cfg: Config, mesh: tuple[tuple[str, int], ...]) -> list[str]:
-    """The mesh axes a mixture of experts' experts may be split over: each of more than one
-    device whose size divides the expert count, but the stage axis (none for a dense model)."""
-    experts = models.traits(cfg.model).experts
-    return [a for a, n in mesh if experts and n > 1 and a != STAGE_AXIS and experts % n == 0]
-
-
-def model_dims(cfg: Config) -> tuple[str, ...]:
-    """The dims a model split puts on the model axis: the config's own, else the family's."""
-    own = tuple(d for d, a in cfg.layout if d != "batch" and MODEL_AXIS in (a if isinstance(a, tuple) else (a,)))
-    family = models.family(cfg.model.name)
-    return own or (family.split_dims(cfg.model) if family.split_dims is not None else ())
-
-
-def rules(option: Option, dims: tuple[str, ...], params: list, cfg: Config, element_spec: dict) -> tuple[str, str]:
-    """The option's (layout, param_layout) rule texts; raises ConfigError when FSDP has no dim to split."""
-    batch = option.batch[0] if len(option.batch) == 1 else option.batch
-    layout = (("batch", batch),) if option.batch else ()
-    layout += tuple((d, MODEL_AXIS) for d in dims) if option.model else ()
-    layout += (("layers", STAGE_AXIS),) if option.stage else ()
-    layout += (("experts", option.experts),) if option.experts else ()
-    param_layout = ""
-    if option.fsdp:  # replaces the config's own param_layout
-        param_layout = candidates.fsdp_param_layout(cfg, element_spec, params, option.batch, option.sizes, layout, ())
-    return layout_lib.format_rules(layout), param_layout
-
-
-def with_layout(cfg: Config, mesh: str, layout: str, param_layout: str, stage: bool = False,
-                microbatches: int | None = None) -> Config:  # fmt: skip
-    """`cfg` with its mesh, layout and param_layout replaced (validated as a config is), and its
-    ``train.microbatches`` where `microbatches` is given; without a stage axis (`stage`), without
-    the pipeline's settings either."""
-    raw = config_lib.to_dict(cfg)
-    raw.update(mesh=mesh, layout=layout, param_layout=param_layout)
-    if microbatches is not None:
-        raw["train"] = {**raw["train"], "microbatches": microbatches}
-    if not stage and "pipeline" in raw:
-        raw["pipeline"] = {**raw["pipeline"], "schedule": "gpipe", "repeats": 1}
-    return config_lib.from_dict(raw)
-
-
-# ---------------------------------------------------------------------------------------------
-# The analytic estimate
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """The analytic step time per device, by term (see the module docstring)."""
-
-    flops: float
-    compute_s: float
-    memory_s: float
-    gradient_s: float
-    activation_s: float
-    feed_s: float
-    exposed_feed_s: float
-    pipeline_s: float = 0.0  # a stage axis: its permutes and the outputs' sum (meshpar.plan.memory.stage_axis)
-    experts_s: float = 0.0  # a mixture of experts: its routed tokens' all-to-alls (meshpar.plan.time.reshards)
-    paging_s: float = 0.0  # unified memory: what its page faults stall (meshpar.plan.out_of_core.unified)
-    kernels: float = 0.0  # kernels one device launches per step, at least (see pass_kernels)
-    launch_s: float = 0.0  # their fixed cost: kernels × the topology's launch_us
-
-    @property
-    def collective_s(self) -> float:
-        return self.gradient_s + self.activation_s + self.pipeline_s + self.experts_s
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s + self.launch_s
-
-
-def pass_kernels(cfg: Config, step: parts.AbstractStep) -> int:
-    """The kernels one microbatch's forward and backward pass launches at least: the matmuls and
-    reductions of the model's own training jaxpr (``jax.grad`` of its loss under its
-    ``model.remat`` policy, the recomputed forward included; loop bodies × their trip counts),
-    traced for the target (its layer-loop form and attention kernel). XLA:GPU emits each matmul
-    as its own kernel (a library call or a GEMM fusion) and each reduction as the root of a
-    fusion of its own; the elementwise work fuses into them and is not counted, so this is a
-    lower bound on the compiled program's kernels (:attr:`meshpar.plan.time.timing.Span.kernels`).
-    Counted at the global shapes: the count does not depend on the layout (splitting a matmul
-    leaves one per device; a stage axis's share of the layers is the estimate's to take)."""
-    loss, _ = memory.local_loss(cfg, step)
-    state, batch, _ = step.args
-    with shapes.on_target(step):
-        jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)
-    return sum(copies for eqn, copies, _ in jaxprs.walk(jaxpr) if jaxprs.is_matmul(eqn) or jaxprs.is_reduction(eqn))
-
-
-def _axes_of(spec) -> set[str]:
-    return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
-
-
-def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], compute_itemsize: int) -> dict:
-    """(kind, axes) → bytes per device of the gradient sync: all-reduce over the batch axes a
-    parameter is not split on; under FSDP two all-gathers (compute dtype) and a reduce-scatter."""
-    sizes = dict(step.mesh.shape)
-    batch = [a for a in batch_axes if sizes[a] > 1]
-    params = jax.tree.leaves(step.plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    out: dict[tuple[str, tuple[str, ...]], float] = {}
-    for var, own in zip(params, jax.tree.leaves(step.plan.shardings.params)):
-        a = var.get_value()
-        dims = var.get_metadata().get("dims") or (None,) * a.ndim
-        act = step.layout.sharding(step.mesh, dims)
-        elements = math.prod(act.shard_shape(a.shape))
-        act_axes, own_axes = _axes_of(act.spec), _axes_of(own.spec)
-        gathered = tuple(x for x in step.mesh.axis_names if x in own_axes - act_axes and sizes[x] > 1)
-        if gathered:
-            out[("all-gather", gathered)] = out.get(("all-gather", gathered), 0) + 2 * elements * compute_itemsize
-            out[("reduce-scatter", gathered)] = out.get(("reduce-scatter", gathered), 0) + elements * a.dtype.itemsize
-        summed = tuple(x for x in batch if x not in act_axes and x not in gathered)
-        if summed:
-            share = elements // math.prod(sizes[x] for x in gathered) * a.dtype.itemsize
-            out[("all-reduce", summed)] = out.get(("all-reduce", summed), 0) + share
-    return out
-
-
-def estimate(
-    cfg: Config,
-    option: Option,
-    step: parts.AbstractStep,
-    breakdown: memory.Breakdown,
-    topo,
-    dims,
-    kernels: int = 0,
-) -> Estimate:
-    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`;
-    `kernels`: those one microbatch's pass launches (:func:`pass_kernels`; 0: not counted)."""
-    sizes = option.sizes
-    spec, family = step.element_spec, models.family(cfg.model.name)
-    batch_ways = math.prod(sizes[a] for a in option.batch)
-    model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
-    model, dtype = models.traits(cfg.model), throughput.compute_dtype(cfg.model)
-    # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
-    per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
-    sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
-    scale = stages.compute_scale(sched, stages.layer_share(family, cfg.model, spec))
-    flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
-    flops *= 4 / 3 if model.remat == "full" else 1
-    compute_s = flops / (topo.peak(dtype) * topo.efficiency)
-    c = breakdown.categories
-    # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
-    # gradients summed over the batch axes no weight is split on are reduced once per step
-    # (meshpar.run.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
-    k = cfg.train.microbatches if sched is None else 1
-    once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
-    summed = 2 * memory.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum
-    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
-    memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
-    itemsize = jax.numpy.dtype(dtype).itemsize
-    gradient_s = sum(
-        (1 if kind == "all-reduce" and set(axes) <= once else k)
-        * cost.collective_seconds(kind, nbytes, math.prod(sizes[a] for a in axes), cost.axis_link(topo, sizes, axes))
-        for (kind, axes), nbytes in gradient_traffic(step, option.batch, itemsize).items()
-    )
-    activation_s = 0.0
-    if model_ways > 1 and family.activation_all_reduces is not None:
-        rows = cfg.train.batch_size // batch_ways // k  # one microbatch's: k times as many, each 1/k the size
-        count, elements = family.activation_all_reduces(cfg.model, spec, rows, dims)
-        link = topo.axis_link(sizes, MODEL_AXIS)
-        activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count * k) * scale
-    pipeline_s = 0.0
-    if sched is not None:
-        width = model.width  # the stack's [batch, length, embed] activations
-        rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
-        traffic = stages.traffic(sched, rows, length, width, itemsize)
-        pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
-    experts_s = 0.0
-    if model.experts:  # the routed tokens' all-to-alls, as the traced program implies them, on their axes' links
-        for axes, nbytes in reshards.all_to_alls(cfg, step).items():
-            ways = math.prod(sizes[a] for a in axes.split(","))
-            experts_s += cost.collective_seconds("all-to-all", nbytes, ways, topo.axis_link(sizes, axes))
-    # every pass launches its kernels again: k passes of accumulation; a pipeline's M microbatches
-    # spread over its ticks like its FLOPs (a stage runs its share of the layers per tick)
-    launches = kernels * (sched.microbatches * scale if sched is not None else k)
-    launch_s = launches * topo.kernels.launch_s if topo.kernels is not None else 0.0
-    feed_s = cost.feed_seconds(cfg, topo)
-    exposed = cost.exposed_feed_seconds(feed_s, compute_s + memory_s, cfg.feed.prefetch)
-    return Estimate(flops, compute_s, memory_s, gradient_s, activation_s, feed_s, exposed, pipeline_s,
-                    experts_s=experts_s, kernels=launches, launch_s=launch_s)  # fmt: skip
-
-
-def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
-    """Seconds unified memory's page faults add to `cfg`'s step on `topo` (:func:`meshpar.plan.out_of_core.offload_cost.paging`)."""
-    w = offload_plan.weights(step.plan, step.layout, step.mesh)
-    layers = models.traits(cfg.model).stack_layers or 1
-    blocks = unified.blocks(breakdown.categories, layers, w.layer, breakdown.residual_split, cfg.train.microbatches)
-    return offload_cost.paging(blocks, breakdown.total, cap, topo, step.mesh.size)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,11 +139,11 @@ def _paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, 
 class Row:
     """A legal candidate: its config, its plan, memory and time."""
 
-    option: Option
+    option: options_lib.Option
     cfg: Config
     step: parts.AbstractStep = dataclasses.field(repr=False)
     memory_bytes: int  # analytic total per device
-    estimate: Estimate
+    estimate: estimates.Estimate
     fits: bool
     own: bool = False  # the config's own mesh and layout
     predicted: timing.StepTime | None = None  # the HLO-based model, when compiled
@@ -434,7 +155,7 @@ class Row:
 
     @property
     def option_key(self) -> tuple:
-        """Its layout's key, whatever its microbatch count (:meth:`Option.key`)."""
+        """Its layout's key, whatever its microbatch count (:meth:`meshpar.plan.search.options.Option.key`)."""
         return dataclasses.replace(self.option, microbatches=1).key()
 
     @property
@@ -497,73 +218,6 @@ def rank_compiled(rows: list[Row]) -> list[Row]:
     return tied + rows[len(tied) :]
 
 
-def _same_rules(a, b) -> bool:
-    return set(layout_lib.parse_rules(a)) == set(layout_lib.parse_rules(b))
-
-
-def _is_own(cfg: Config, option: Option, new: Config, own_mesh: dict[str, int]) -> bool:
-    mesh = {a: n for a, n in option.mesh if not (a in (option.added, STAGE_AXIS) and n == 1)}
-    same = _same_rules(new.layout, cfg.layout) and _same_rules(new.param_layout, cfg.param_layout)
-    return mesh == own_mesh and same and option.microbatches == cfg.train.microbatches
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def microbatch_counts(cfg: Config, option: Option, own_choice: tuple) -> list[int]:
-    """The ``train.microbatches`` the search plans `option` with, in the order it tries them
-    (see the module docstring): each count that divides a device's rows; with a stage axis of S
-    stages those of at least S (fewer leave most of every tick idle), else the largest; without
-    one, ascending (the search keeps the first that fits), and the config's own count on its own
-    layout."""
-    ways = math.prod(option.sizes[a] for a in option.batch)
-    rows = cfg.train.batch_size // ways if cfg.train.batch_size % ways == 0 else 0
-    counts = _divisors(rows) if rows else [cfg.train.microbatches]
-    if option.stage:
-        stages_ = option.sizes[STAGE_AXIS]
-        return [k for k in counts if k >= stages_] or counts[-1:]
-    if _choice(option) == own_choice and cfg.train.microbatches in counts:
-        counts = counts[: counts.index(cfg.train.microbatches) + 1]
-    return counts
-
-
-def _choice(option: Option) -> tuple:
-    """The option as the config's own choice is written: (mesh, batch axes, model split, FSDP,
-    stage axis, experts' axis)."""
-    mesh = {a: n for a, n in option.mesh if a not in (option.added, STAGE_AXIS) or n > 1}
-    return mesh, option.batch, option.model, option.fsdp, option.stage, option.experts
-
-
-def _own_choice(cfg: Config, dims: tuple[str, ...], num_devices: int) -> tuple[dict[str, int], tuple]:
-    """The config's own mesh, and its choice as :func:`_choice` writes an option's."""
-    try:
-        own_mesh = dict(mesh_lib.resolve(cfg.mesh, num_devices))
-    except mesh_lib.MeshError:
-        own_mesh = {}
-    batch_rule = dict(cfg.layout).get("batch")
-    own = (
-        own_mesh, (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule or ()),
-        any(a == MODEL_AXIS for d, a in cfg.layout if d in dims), bool(cfg.param_layout),
-        dict(cfg.layout).get("layers") == STAGE_AXIS, dict(cfg.layout).get("experts"),
-    )  # fmt: skip
-    return own_mesh, own
-
-
-def distinct(options: list[Option], own_choice: tuple) -> list[Option]:
-    """One option of each group of duplicates (:meth:`Option.key`): the config's own, else the plainest."""
-
-    def preference(option: Option) -> tuple:
-        return (_choice(option) != own_choice, *option.oddness())
-
-    kept: dict[tuple, Option] = {}
-    for option in options:
-        key = option.key()
-        if key not in kept or preference(option) < preference(kept[key]):
-            kept[key] = option
-    return [o for o in options if kept[o.key()] is o]
-
-
 @dataclasses.dataclass
 class _Planner:
     """Plans options of one config on one machine: each at its microbatch counts, legal or not
@@ -579,44 +233,44 @@ class _Planner:
     illegal: dict[str, int] = dataclasses.field(default_factory=dict)
     meshes: dict[str, jax.sharding.Mesh] = dataclasses.field(default_factory=dict)
     cap: cost.Capacity | None = None
-    kernels: int | None = None  # one pass's (pass_kernels): the same for every layout, counted once
+    kernels: int | None = None  # one pass's (estimates.pass_kernels): the same for every layout, counted once
 
     def _fail(self, key: str) -> None:
         self.illegal[key] = self.illegal.get(key, 0) + 1
 
-    def row(self, option: Option, new: Config) -> Row:
+    def row(self, option: options_lib.Option, new: Config) -> Row:
         """`option` planned as the config `new`; raises what makes it illegal."""
         mesh = self.meshes.get(new.mesh_str) or self.meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
         step = parts.abstract_step(new, mesh, self.spec)
         breakdown = memory.analytic(new, step)
         self.cap = self.cap or cost.machine_capacity(self.cfg, self.topo, mesh)
         if self.kernels is None:
-            self.kernels = pass_kernels(new, step)
-        est = estimate(new, option, step, breakdown, self.topo, self.dims, self.kernels)
+            self.kernels = estimates.pass_kernels(new, step)
+        est = estimates.estimate(new, option, step, breakdown, self.topo, self.dims, self.kernels)
         if self.cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
-            est = dataclasses.replace(est, paging_s=_paging(new, step, breakdown, self.topo, self.cap))
-        own = _is_own(self.cfg, option, new, self.own_mesh)
+            est = dataclasses.replace(est, paging_s=estimates.paging(new, step, breakdown, self.topo, self.cap))
+        own = options_lib.is_own(self.cfg, option, new, self.own_mesh)
         return Row(option, new, step, breakdown.total, est, breakdown.total <= self.cap.usable_bytes, own,
                    replaces_param_layout=bool(self.cfg.param_layout),
                    given_microbatches=self.cfg.train.microbatches)  # fmt: skip
 
-    def rows(self, option: Option) -> list[Row]:
+    def rows(self, option: options_lib.Option) -> list[Row]:
         """The rows `option` gives (see the module docstring): with a stage axis one per count;
         without, the fewest microbatches that fit (and the config's own count on its own layout),
         or where none fits the one with the fewest bytes."""
         cfg = self.cfg
         try:
-            layout, param_layout = rules(option, self.dims, self.params, cfg, self.spec)
+            layout, param_layout = options_lib.rules(option, self.dims, self.params, cfg, self.spec)
         except ConfigError as e:
             self._fail(e.key)
             return []
-        counts = microbatch_counts(cfg, option, self.own_choice)
-        own_layout = _choice(option) == self.own_choice
+        counts = options_lib.microbatch_counts(cfg, option, self.own_choice)
+        own_layout = options_lib.choice(option) == self.own_choice
         out: list[Row] = []
         last, least, found = None, None, False
         for k in counts:
             try:
-                new = with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
+                new = options_lib.with_layout(cfg, option.mesh_str, layout, param_layout, option.stage, k)
                 row = self.row(dataclasses.replace(option, microbatches=k), new)
             except (ConfigError, DataError, layout_lib.LayoutError, mesh_lib.MeshError) as e:
                 key = getattr(e, "key", None) or (
@@ -684,10 +338,10 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     spec = inputs_lib.element_spec(cfg.data, cfg.train.seed, cfg.checkpoint.init_from)
     family = models.family(cfg.model.name)
     _, abstract_params = trainer.abstract_model(functools.partial(family.build, cfg.model, spec))
-    dims = model_dims(cfg)
-    options = enumerate_options(cfg, num_devices)
-    own_mesh, own_choice = _own_choice(cfg, dims, num_devices)
-    kept = distinct(options, own_choice)
+    dims = options_lib.model_dims(cfg)
+    options = options_lib.enumerate_options(cfg, num_devices)
+    own_mesh, own_choice = options_lib.own_choice_of(cfg, dims, num_devices)
+    kept = options_lib.distinct(options, own_choice)
     planner = _Planner(cfg, topo, spec, dims, candidates.param_dims(abstract_params), own_mesh, own_choice)
     rows: list[Row] = []
     for i, option in enumerate(kept):

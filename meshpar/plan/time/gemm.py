@@ -28,7 +28,7 @@ def matmul_scratch(
     (see :mod:`meshpar.plan.memory.analytic`'s docstring): (the largest workspace of any of them, alive through its call —
     one call at a time, and calls run all through the backward; place in the forward's program
     order -> the largest partial results of a matmul the backward runs there). The matmuls are
-    those of the backward of each matmul at a place (`matmuls_at`: :func:`meshpar.plan.memory.analytic.saved_activations`; a
+    those of the backward of each matmul at a place (`matmuls_at`: :func:`meshpar.plan.memory.trace.saved_activations`; a
     loop's, every matmul of its body, and the body's own under remat's recomputation), each
     compiled alone for the step's device with `compiler_options` (and the ``XLA_FLAGS`` in
     effect), its GEMM's own buffers read from the compiled program (:func:`gemm_scratch`)."""

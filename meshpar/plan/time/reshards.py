@@ -24,7 +24,7 @@ import jax
 
 from meshpar import jaxprs
 from meshpar.configuration.config import Config
-from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import trace
 from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
 
@@ -52,7 +52,7 @@ def moved(src, dst, shape: tuple[int, ...], itemsize: int) -> tuple[str, int] | 
 def all_to_alls(cfg: Config, step: parts.AbstractStep) -> dict[str, int]:
     """Mesh axes (``"a"`` or ``"a,b"``) → bytes per device per step of the all-to-alls the
     step's layout implies (see the module docstring); empty where it implies none."""
-    loss, _ = memory.local_loss(cfg, step)
+    loss, _ = trace.local_loss(cfg, step)
     state, batch, _ = step.args
     with layout_lib.activate(step.layout, step.mesh):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)
