@@ -8,10 +8,11 @@ moe_tiny's shape (experiments/moe_tiny.yaml: 2 layers of d_model 128, 8 SwiGLU e
 
 * ``dense``: the baseline, the same model with a dense SwiGLU MLP of d_ff 2 × 256 = 512 (the
   parameters one token meets in an MoE layer, less the router), data parallel over all 8;
-* ``capacity all-to-all``: the experts split over ``expert`` with the batch split over both axes
-  (``batch:(data,expert); experts:expert``): the routed tokens move by all-to-all;
-* ``capacity moe_tiny``: moe_tiny's own layout (``batch:data; experts:expert``): the batch not
-  split over the experts' axis, so each device slices its experts' tokens and gathers their
+* ``capacity all-to-all``: moe_tiny's own layout, the experts split over ``expert`` with the
+  batch split over both axes (``batch:(data,expert); experts:expert``): the routed tokens move
+  by all-to-all;
+* ``capacity sliced``: ``batch:data; experts:expert``, the batch not split over the experts'
+  axis, so each device slices its experts' tokens and gathers their
   outputs back (no all-to-all);
 * ``capacity replicated`` and ``dropless replicated``: every expert on every device, data parallel
   over all 8 (dropless dispatch needs the experts replicated).
@@ -55,7 +56,7 @@ REPLICATED = "batch:(data,expert)"
 ROWS = [
     ("dense", REPLICATED, ["model.moe_experts=0", "DENSE_FF"]),
     ("capacity all-to-all", ALL_TO_ALL, []),
-    ("capacity moe_tiny", "batch:data; experts:expert", []),
+    ("capacity sliced", "batch:data; experts:expert", []),
     ("capacity replicated", REPLICATED, []),
     ("dropless replicated", REPLICATED, ["model.moe_dispatch=dropless"]),
 ]

@@ -63,18 +63,20 @@ import warnings
 import common
 
 # Mixture of experts (meshpar.models.moe) beyond moe_tiny as shipped: other expert counts, top-1,
-# every other layer, capacity factors, the experts split over an axis the batch is split on too
-# (all-to-all) and replicated, FSDP, full remat; dropless dispatch (out of scope: its row says why).
+# every other layer, capacity factors, the experts split over an axis the batch is not split on
+# (each device slices its experts' tokens) and replicated, FSDP; full remat, dropless dispatch
+# and a stage axis (out of scope: their rows say why).
 MOE = [
     ["model.moe_experts=4", "model.moe_top_k=1"],
     ["model.moe_every=2", "model.n_layers=4"],
     ["model.moe_capacity_factor=2.0"],
     ["model.moe_experts=16", "model.moe_group_size=64", "model.moe_capacity_factor=1.0"],
-    ["layout=batch:(data,expert); experts:expert"],
+    ["layout=batch:data; experts:expert"],
     ["layout=batch:(data,expert)"],
     ["param_layout=embed:data"],
     ["model.remat=full"],
     ["model.moe_dispatch=dropless", "layout=batch:(data,expert)"],
+    ["mesh=data:2,stage:2,expert:2", "layout=batch:data; layers:stage; experts:expert", "train.microbatches=2"],
 ]
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).
 VARIANTS = [

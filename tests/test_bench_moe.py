@@ -28,6 +28,6 @@ def test_bench_moe_quick(tmp_path):
         routed["all_to_all_measured_bytes"] == routed["all_to_all_planned_bytes"]
         and "expert" in routed["all_to_all_measured_bytes"]
     )
-    for name in ("capacity moe_tiny", "capacity replicated", "dropless replicated"):
+    for name in ("capacity sliced", "capacity replicated", "dropless replicated"):
         assert rows[name]["all_to_all_measured_bytes"] == rows[name]["all_to_all_planned_bytes"] == {}
     assert all(r["median_step_s"] > 0 for r in rows.values())

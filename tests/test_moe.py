@@ -69,7 +69,7 @@ def _reference(p: dict[str, np.ndarray], h: np.ndarray, k: int, group: int, slot
 def _moe(changes: dict, p, h):
     cfg = llama.switches(dataclasses.replace(TINY, **changes))
     y, stats = jax.jit(lambda p, h: moe.moe(cfg, p, h))(p, h)
-    return cfg, np.asarray(y), {k: float(v) for k, v in stats.items()}
+    return cfg, np.asarray(y), {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in stats.items()}
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -116,6 +116,8 @@ def test_aux_losses_are_switch_and_st_moe():
     top = np.argsort(-probs, -1)[:, :2]
     f = np.bincount(top.ravel(), minlength=E) / top.size
     np.testing.assert_allclose(stats["balance"], E * np.sum(f * probs.mean(0)), rtol=1e-5)
+    np.testing.assert_allclose(stats["share"], f, rtol=1e-6)  # the factors a pipeline averages
+    np.testing.assert_allclose(stats["probs"], probs.mean(0), rtol=1e-5)
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(stats["z"], np.mean(lse**2), rtol=1e-5)
 

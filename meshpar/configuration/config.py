@@ -538,9 +538,14 @@ def _check_offload(cfg: Config) -> None:
 
 def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
     """A mixture-of-experts model's experts divide by the mesh axes a rule (``layout`` or
-    ``param_layout``) splits ``experts`` over, and run without a stage axis (the layer loop
-    hands the MoE layers' statistics back, which a pipeline's stages do not). A -1 axis is
-    skipped as in :func:`check_batch_size`."""
+    ``param_layout``) splits ``experts`` over. A -1 axis is skipped as in :func:`check_batch_size`.
+
+    A stage axis runs MoE layers: the pipeline hands each layer's statistics back beside the
+    activations (:func:`meshpar.sharding.stages.run`). The experts cannot be split over the
+    stage axis itself (:func:`check_pipeline` keeps that axis for ``layers``); what the model's
+    routing asks of the pipeline (whole MoE groups per stage, routing groups within a sequence)
+    reads settings the model's :class:`meshpar.models.Traits` do not carry, so the model checks
+    it when first traced (:func:`meshpar.models.moe_stats.check`), before anything runs."""
     model = models_lib.traits(cfg.model)
     if not model.experts:
         return
@@ -554,11 +559,6 @@ def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
                 f"{model.experts} experts do not divide by the {ways} ways {key} "
                 f"experts:{layout_lib.format_axes(named['experts'])} splits them",
             )
-        if key == "layout" and "layers" in named:
-            raise ConfigError(
-                "layout", f"layers:{layout_lib.format_axes(named['layers'])}: a stage axis cannot run "
-                f"mixture-of-experts layers ({model.key('experts')} {model.experts})",
-            )  # fmt: skip
 
 
 def check_batch_size(cfg: Config, mesh_shape: Mapping[str, int]) -> None:

@@ -67,7 +67,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import attention as attention_lib
-from meshpar.models import kv_cache, layers
+from meshpar.models import kv_cache, layers, moe_stats
 from meshpar.models import moe as moe_lib
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
 from meshpar.sharding import layout as layout_lib
@@ -243,8 +243,8 @@ def layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_
 
 def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv_cache.Attend,
            positions: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, object, dict | None]:  # fmt: skip
-    """:func:`layer`, and an MoE layer's statistics (None for a dense one): an MoE layer is one
-    whose `p` holds a router."""
+    """:func:`layer`, and an MoE layer's statistics as the layer loop carries them (None for a
+    dense one; :func:`meshpar.models.moe_stats.factors`): an MoE layer is one whose `p` holds a router."""
     dt, eps, dims = DTYPES[cfg.compute_dtype], cfg.norm_eps, block_dims(cfg)
     k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
 
@@ -268,6 +268,7 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
     stats = None
     if "router" in p:
         mlp, stats = moe_lib.moe(cfg, p, h)  # [batch, length, embed]
+        stats = moe_stats.factors(stats)
     else:
         if cfg.mlp == "swiglu":
             f, out = jax.nn.silu(dense(h, w("w_gate", dt))) * dense(h, w("w_up", dt)), "w_down"
@@ -298,9 +299,15 @@ class Blocks(nnx.Module):
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The stack on ``x [batch, length, embed]``: its output and each MoE layer's statistics,
-        each ``[moe layers]`` (none for a dense model)."""
-        run = functools.partial(layers.run_layers, self.cfg, functools.partial(block, self.cfg), self.stacked(), x, key)
-        return run(aux=True) if self.cfg.moe_experts else (run(), {})
+        each ``[moe layers]`` (none for a dense model; :func:`meshpar.models.moe_stats.finish`),
+        the same under a stage axis as without."""
+        cfg = self.cfg
+        run = functools.partial(layers.run_layers, cfg, functools.partial(block, cfg), self.stacked(), x, key)
+        if not cfg.moe_experts:
+            return run(), {}
+        moe_stats.check(cfg, x)
+        x, values = run(aux=True)
+        return x, moe_stats.finish(values)
 
     def decode(self, x: jax.Array, cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
         """The new tokens ``x [batch, steps, embed]`` through the stack against `cache`
@@ -314,13 +321,13 @@ class Blocks(nnx.Module):
         """Each block parameter stacked along a leading dim the layer loop runs over: ``[layers,
         ...]``; with experts ``[groups, ...]``, a group of ``moe_every`` layers: attention
         ``[groups, moe_every, ...]``, the dense MLPs ``[groups, moe_every - 1, ...]``, the MoE
-        layer's ``[groups, ...]`` (free reshapes of the stored stacks, which a stage axis never
-        splits under experts)."""
+        layer's ``[groups, ...]`` (free reshapes of the stored stacks, which a stage axis splits
+        into whole groups: the MoE layers' stacks split as the layout's rule for ``layers`` says)."""
         cfg = self.cfg
         stacked = {name: getattr(self, name)[...] for name in block_params(cfg)}
         if not cfg.moe_experts:
             return stacked  # each [layers, ...]
-        groups, n = moe_layers(cfg), cfg.moe_every
+        groups, n = stacked["router"].shape[0], cfg.moe_every  # the stack's, or one stage's slice of it (traced alone)
         for name, w in stacked.items():
             if name not in moe_lib.DIMS:
                 stacked[name] = w.reshape(groups, n if name in ATTN_PARAMS else n - 1, *w.shape[1:])

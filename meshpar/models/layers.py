@@ -113,13 +113,11 @@ def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, k
     (:mod:`meshpar.sharding.stages`), each stage's layers this same way.
 
     With `aux`, `block` returns ``(x, values)`` (an MoE layer's statistics) and this returns x
-    and the values stacked along a leading dim of the layers; a pipeline hands only x from
-    stage to stage, so `aux` is refused under a stage axis."""
+    and the values stacked along a leading dim of the layers, in canonical order; under a stage
+    axis each value is its mean over the pipeline's microbatches (:func:`meshpar.sharding.stages.run`)."""
     sched = pipeline.active()
     if sched is not None:
-        if aux:
-            raise ValueError("a stage axis (layers:<axis>) cannot run layers with statistics (mixture of experts)")
-        return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k), stacked, x, key)
+        return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k, aux), stacked, x, key, aux)
     return _in_order(cfg, block, stacked, x, key, aux)
 
 

@@ -222,7 +222,8 @@ def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
 def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MoE MLP on the normed ``h [batch, length, embed]`` with this layer's weights `p`
     (:data:`DIMS`): the output ``[batch, length, embed]`` and the layer's ``balance`` (Switch
-    load-balancing loss), ``z`` (router z-loss) and ``dropped`` (share of assignments), scalars."""
+    load-balancing loss), ``z`` (router z-loss) and ``dropped`` (share of assignments), scalars,
+    and the balance loss's factors ``share`` (f_e) and ``probs`` (p_e), ``[experts]`` each."""
     dt = DTYPES[cfg.compute_dtype]
     # The router's weights whole on every device: top-k needs every expert's logit.
     router = _whole(use(p["router"], ("embed", None), jnp.float32))
@@ -235,6 +236,8 @@ def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dic
     else:
         y, dropped = _capacity_mlp(cfg, w, h, idx, weights)
     share = jnp.mean(jnp.sum(jax.nn.one_hot(idx, experts, dtype=jnp.float32), axis=-2), axis=(0, 1)) / k
-    balance = experts * jnp.sum(share * jnp.mean(probs, axis=(0, 1)))  # f_e carries no gradient: counts
+    mean_probs = jnp.mean(probs, axis=(0, 1))
+    balance = experts * jnp.sum(share * mean_probs)  # f_e carries no gradient: counts
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return constrain(y.astype(h.dtype), ("batch", "length", "embed")), {"balance": balance, "z": z, "dropped": dropped}
+    stats = {"balance": balance, "z": z, "dropped": dropped, "share": share, "probs": mean_probs}
+    return constrain(y.astype(h.dtype), ("batch", "length", "embed")), stats

@@ -23,6 +23,11 @@ Two schedules (``pipeline.schedule``), after MaxText's:
   times, re-entering stage 0 from stage S−1: ``R·M + S − 1`` ticks, bubble ``(S − 1) / (R·M + S −
   1)``. A microbatch is back at stage 0 only after S ticks, so M ≥ S.
 
+Layers that report statistics (an MoE layer's load-balancing and z-losses, its dropped share:
+:mod:`meshpar.models.moe_stats`) hand them back beside the output: a stage adds its layers'
+values on the ticks it works and the pipeline returns each layer's mean over the microbatches,
+in canonical order (:func:`run`, ``aux``).
+
 The forward pass is one ``lax.scan`` over the ticks; its autodiff is the backward schedule, each
 tick's residuals (the stage's layers' for one microbatch, under ``model.remat``) kept for it:
 activation memory per stage is ``ticks / M`` times the batch's for its L/S layers.
@@ -147,15 +152,23 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # The pipelined stack
 
-# `run_stage(weights, x, key)`: one group's layers (weights each ``[K, ...]``) on ``x``, in order.
-RunStage = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Array]
+# `run_stage(weights, x, key)`: one group's layers (weights each ``[K, ...]``) on ``x``, in order;
+# with statistics (`aux`), ``(x, values)``, each value stacked ``[K, ...]`` over the group's layers.
+RunStage = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], "jax.Array | tuple[jax.Array, dict]"]
 
 
 def run(
-    sched: Schedule, run_stage: RunStage, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None
-) -> jax.Array:
+    sched: Schedule,
+    run_stage: RunStage,
+    stacked: dict[str, jax.Array],
+    x: jax.Array,
+    key: jax.Array | None,
+    aux: bool = False,
+):
     """The layer stack `stacked` (each ``[layers, ...]`` in stored order, :func:`stored_order`)
-    on ``x [batch, ...]`` as the pipeline `sched`; returns the last layer's output, ``x``'s shape.
+    on ``x [batch, ...]`` as the pipeline `sched`; returns the last layer's output, ``x``'s shape,
+    and with `aux` also each layer's values (``run_stage``'s statistics), each ``[layers, ...]``
+    in canonical layer order, averaged over the microbatches.
 
     Inside ``jax.shard_map`` over the stage axis (every other mesh axis left to the partitioner,
     so the layout's data, model and FSDP splits hold inside a stage as outside), stage s keeps
@@ -163,6 +176,12 @@ def run(
     ``ppermute`` hands every stage's output to the next (stage S−1's to stage 0, where the
     circular schedule re-enters it). The last stage collects each microbatch's output after its
     last group; a ``psum`` over the stage axis gives every stage the result.
+
+    Statistics are collected alike: a stage adds its group's values to its sums on the ticks it
+    works (never in the bubble, where it runs on zeros), places its sums where its groups sit in
+    the canonical order, and a ``psum`` over the stage axis gathers every stage's. Divided by M,
+    a value that is a mean over its microbatch's tokens is the batch's mean: the microbatches
+    hold equally many tokens.
     """
     mesh = layout_lib.active_mesh()
     if mesh is None:
@@ -181,8 +200,11 @@ def run(
         w = {name: v.reshape(R, K, *v.shape[1:]) for name, v in w.items()}  # this stage's [R, K, ...]
         zeros = varying(jnp.zeros_like(micro))  # [M, batch / M, ...]
 
+        def group(r):
+            return {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}
+
         def tick(carry, t):
-            state, outputs, loop = carry
+            state, outputs, loop, sums = carry
             if R > 1:
                 # What stage 0 received now is stage S−1's output of tick t − 1: microbatch
                 # (t − S) mod M after a group short of its last, kept until it re-enters.
@@ -203,26 +225,44 @@ def run(
             else:
                 # The group changes from tick to tick: the backward pass keeps each tick's copy
                 # of its weights (T copies of a group's), the circular schedule's price.
-                out = run_stage(
-                    {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}, h, k
-                )
+                out = run_stage(group(r), h, k)
+            if aux:
+                out, values = out
+                busy = (i >= 0) & (i < R * M)
+
+                def add(total, v):  # total [R, K, ...] += v [K, ...] at group r, on a working tick
+                    at = jax.lax.dynamic_index_in_dim(total, r, keepdims=False)
+                    return jax.lax.dynamic_update_index_in_dim(total, at + jnp.where(busy, v, 0), r, 0)
+
+                sums = jax.tree.map(add, sums, values)
             done = (s == S - 1) & (i >= (R - 1) * M) & (i < R * M)
             slot = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, slot), m, 0)
             state = jax.lax.ppermute(out, axis, shift)
-            return (state, outputs, loop), None
+            return (state, outputs, loop, sums), None
 
-        init = (zeros[0], zeros, zeros if R > 1 else zeros[:0])
-        (_, outputs, _), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
-        return jax.lax.psum(jnp.where(s == S - 1, outputs, 0), axis)
+        sums = {}
+        if aux:  # each value's sums over the microbatches, per group of this stage: [R, K, ...]
+            shapes = jax.eval_shape(run_stage, group(0), zeros[0], key)[1]
+            sums = jax.tree.map(lambda v: varying(jnp.zeros((R, *v.shape), v.dtype)), shapes)
+        init = (zeros[0], zeros, zeros if R > 1 else zeros[:0], sums)
+        (_, outputs, _, sums), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
+        out = jax.lax.psum(jnp.where(s == S - 1, outputs, 0), axis)
+
+        def canonical(total):  # group r of stage s is canonical block r·S + s: [R, S, K, ...] is that order
+            every = varying(jnp.zeros((R, S, *total.shape[1:]), total.dtype))
+            every = jax.lax.dynamic_update_index_in_dim(every, total[:, None], s, 1)
+            return jax.lax.psum(every.reshape(n_layers, *total.shape[2:]), axis) / M
+
+        return out, jax.tree.map(canonical, sums)
 
     keys = () if key is None else (key,)  # dropout's key, replicated
     in_specs = ({name: PartitionSpec(axis) for name in stacked}, PartitionSpec(), *(PartitionSpec() for _ in keys))
-    out = jax.shard_map(
+    out, values = jax.shard_map(
         lambda w, micro, *k: stages(w, micro, k[0] if k else None),
-        mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), axis_names={axis}, check_vma=True,
+        mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec()), axis_names={axis}, check_vma=True,
     )(stacked, micro, *keys)  # fmt: skip
-    return merge_microbatches(out)
+    return (merge_microbatches(out), values) if aux else merge_microbatches(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +370,17 @@ def manual(f: Callable, in_dims: tuple[Dims, ...], out_dims: Dims, spare: str) -
 def stored_order(n_layers: int, sched: Schedule | None) -> np.ndarray:
     """The canonical layer held at each position of the stored ``layers`` dim: stage s's slice
     holds its groups r = 0 .. R−1, group r being canonical block ``r·S + s`` of ``L / (S·R)``
-    layers. The identity unless the schedule is circular with repeats > 1."""
+    layers. The identity unless the schedule is circular with repeats > 1. A LayoutError where
+    `n_layers` does not split into S·R groups (a stack shorter than the model's layers, as an MoE
+    model's experts are, one per ``moe_every`` layers)."""
     if sched is None or sched.repeats == 1:
         return np.arange(n_layers)
     S, R = sched.stages, sched.repeats
+    if n_layers % (S * R):
+        raise layout_lib.LayoutError(
+            f"a stack of {n_layers} along dim 'layers' does not split into {S} stages × {R} repeats over mesh axis "
+            f"'{sched.axis}' (circular schedule)"
+        )
     K = n_layers // (S * R)
     return np.arange(n_layers).reshape(R, S, K).transpose(1, 0, 2).reshape(-1)
 
