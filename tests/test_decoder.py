@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshpar.models import MODELS, decoder, llama, transformer
+from meshpar.models import MODELS, decoder, decoder_family, llama, transformer
 
 LENGTH = 8
 SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.int32))}
@@ -107,10 +107,11 @@ def test_norm_eps_and_dropout_change_no_parameter():
 def test_flops_count_each_switch():
     d, h, k, f, n, v = 16, 4, 4, 24, 2, 32
     gelu = n * (4 * d * h * k + 2 * d * f) + d * v
-    assert decoder.flops_per_token(BASE, LENGTH) == 6 * gelu + 12 * n * h * k * LENGTH
+    assert decoder_family.flops_per_token(BASE, LENGTH) == 6 * gelu + 12 * n * h * k * LENGTH
     swiglu_gqa = n * (2 * d * (h + 2) * k + 3 * d * f) + d * v
     cfg = _with(BASE, mlp="swiglu", n_kv_heads=2)
-    assert decoder.flops_per_token(cfg, LENGTH) == 6 * swiglu_gqa + 12 * n * h * k * LENGTH
-    assert sum(decoder.layer_flops(cfg, SPEC)) + 6 * d * v * LENGTH == decoder.flops_per_example(cfg, SPEC)
+    assert decoder_family.flops_per_token(cfg, LENGTH) == 6 * swiglu_gqa + 12 * n * h * k * LENGTH
+    layer_sum = sum(decoder_family.layer_flops(cfg, SPEC))
+    assert layer_sum + 6 * d * v * LENGTH == decoder_family.flops_per_example(cfg, SPEC)
     params = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: decoder.Decoder(cfg, LENGTH, rngs=nnx.Rngs(0)))))
-    assert decoder.num_params(cfg) == sum(int(np.prod(p.shape)) for p in params)
+    assert decoder_family.num_params(cfg) == sum(int(np.prod(p.shape)) for p in params)

@@ -16,7 +16,7 @@ import yaml
 from meshpar import models, train
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError
-from meshpar.models import Family, Traits, decoder, llama, mlp, transformer
+from meshpar.models import Family, Traits, decoder, decoder_family, llama, mlp, transformer
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import topology
 from meshpar.plan.memory import analytic as memory
@@ -61,7 +61,7 @@ def traits(cfg: RenamedConfig) -> Traits:
     )  # fmt: skip
 
 
-FAMILY = Family(config=RenamedConfig, **decoder.family_parts(to_decoder), traits=traits)
+FAMILY = Family(config=RenamedConfig, **decoder_family.family_parts(to_decoder), traits=traits)
 
 MODEL = {"name": NAME, "depth": 4, "width": 32, "heads": 2, "head_width": 16, "hidden": 64, "context": 32}
 STAGED = {"mesh": "stage:2,data:4", "layout": "batch:data; layers:stage"}

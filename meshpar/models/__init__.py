@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from meshpar.configuration.schema import ConfigError, short
-from meshpar.models import decoder, llama, mlp, transformer
+from meshpar.models import decoder_family, llama, mlp, transformer
 from meshpar.sharding.layout import constrain, use
 
 # What a family written outside meshpar imports (docs/custom-models.md, examples/custom_model):
@@ -248,10 +248,10 @@ MODELS: dict[str, Family] = {
     # The language models: one decoder (meshpar.models.decoder), each family's config mapped
     # onto its switches.
     "transformer": Family(
-        config=transformer.TransformerConfig, **decoder.family_parts(transformer.switches),
+        config=transformer.TransformerConfig, **decoder_family.family_parts(transformer.switches),
         traits=_traits(transformer.traits),
     ),
-    "llama": Family(config=llama.LlamaConfig, **decoder.family_parts(llama.switches), traits=_traits(llama.traits)),
+    "llama": Family(config=llama.LlamaConfig, **decoder_family.family_parts(llama.switches), traits=_traits(llama.traits)),
 }  # fmt: skip
 
 

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import numpy as np
 from flax import nnx
 
-from meshpar.models import decoder, layers, moe_config
+from meshpar.models import decoder, decoder_family, layers, moe_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,23 +121,23 @@ def build(cfg: LlamaConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder.Decod
 
 def traits(cfg: LlamaConfig) -> dict[str, Any]:
     """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
-    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder.traits`)."""
-    return decoder.traits(switches(cfg), cfg)
+    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
+    return decoder_family.traits(switches(cfg), cfg)
 
 
 def num_params(cfg: LlamaConfig) -> int:
     """Every parameter: embedding, layers, final norm, untied output."""
-    return decoder.num_params(switches(cfg))
+    return decoder_family.num_params(switches(cfg))
 
 
 def flops_per_token(cfg: LlamaConfig, length: int) -> float:
-    """Training FLOPs per token (:func:`meshpar.models.decoder.flops_per_token`) with
+    """Training FLOPs per token (:func:`meshpar.models.decoder_family.flops_per_token`) with
     grouped-query attention: ``6 * N + 12 * n_layers * n_heads * d_head * length``, N =
     ``n_layers * (2 * d_model * (n_heads + n_kv_heads) * d_head + 3 * d_model * d_ff) + d_model *
     vocab_size``."""
-    return decoder.flops_per_token(switches(cfg), length)
+    return decoder_family.flops_per_token(switches(cfg), length)
 
 
 def layout_rules(cfg: LlamaConfig, rules: tuple, axis_sizes: Mapping[str, int]) -> tuple:
-    """`rules` with ``kv_heads`` following ``heads`` (:func:`meshpar.models.decoder.layout_rules`)."""
-    return decoder.layout_rules(switches(cfg), rules, axis_sizes)
+    """`rules` with ``kv_heads`` following ``heads`` (:func:`meshpar.models.decoder_family.layout_rules`)."""
+    return decoder_family.layout_rules(switches(cfg), rules, axis_sizes)

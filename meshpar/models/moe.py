@@ -20,7 +20,7 @@ Dispatch (``moe_dispatch``):
   dropped (their expert contributes nothing; the residual carries the token). Tokens move by
   one-hot einsums into ``[groups, experts, capacity, embed]``, placed first like the tokens
   (groups by ``batch``), then by expert (``experts``, with groups over ``expert_groups``: the
-  batch's mesh axes less the experts', a rule the decoder's :func:`layout_rules` derives), so
+  batch's mesh axes less the experts', a rule :func:`meshpar.models.decoder_family.layout_rules` derives), so
   where the layout puts ``experts`` on an axis the batch is split over, XLA moves the tokens by
   all-to-all, and back the same way.
 * ``dropless`` (MegaBlocks-style): every assignment runs; the ``batch·length·k`` assignments

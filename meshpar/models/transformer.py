@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 from flax import nnx
 
-from meshpar.models import decoder, moe_config
+from meshpar.models import decoder, decoder_family, moe_config
 
 ROPE_BASE = 10000.0  # rotary positions' base (Mesh TensorFlow's)
 
@@ -104,17 +104,17 @@ def build(cfg: TransformerConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder
 
 def traits(cfg: TransformerConfig) -> dict[str, Any]:
     """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
-    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder.traits`)."""
-    return decoder.traits(switches(cfg), cfg)
+    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
+    return decoder_family.traits(switches(cfg), cfg)
 
 
 def num_params(cfg: TransformerConfig) -> int:
-    """Every parameter (:func:`meshpar.models.decoder.num_params`)."""
-    return decoder.num_params(switches(cfg))
+    """Every parameter (:func:`meshpar.models.decoder_family.num_params`)."""
+    return decoder_family.num_params(switches(cfg))
 
 
 def flops_per_token(cfg: TransformerConfig, length: int) -> float:
-    """Training FLOPs per token (:func:`meshpar.models.decoder.flops_per_token`): ``6 * N + 12 *
+    """Training FLOPs per token (:func:`meshpar.models.decoder_family.flops_per_token`): ``6 * N + 12 *
     n_layers * n_heads * d_head * length``, N = ``n_layers * (4 * d_model * n_heads * d_head + 2
     * d_model * d_ff) + d_model * vocab_size``."""
-    return decoder.flops_per_token(switches(cfg), length)
+    return decoder_family.flops_per_token(switches(cfg), length)
