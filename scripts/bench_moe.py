@@ -15,7 +15,9 @@ moe_tiny's shape (experiments/moe_tiny.yaml: 2 layers of d_model 128, 8 SwiGLU e
   axis, so each device slices its experts' tokens and gathers their
   outputs back (no all-to-all);
 * ``capacity replicated`` and ``dropless replicated``: every expert on every device, data parallel
-  over all 8 (dropless dispatch needs the experts replicated).
+  over all 8;
+* ``dropless split``: dropless dispatch on moe_tiny's layout: each device gathers its group's
+  tokens over ``expert``, runs its own experts, and the outputs are reduce-scattered back.
 
 Each row's experiment is built as ``python -m meshpar.train`` builds it (checkpoints, eval and the
 memory pre-flight off), its train step compiled ahead of time, and run. After warm-up, rounds of
@@ -59,6 +61,7 @@ ROWS = [
     ("capacity sliced", "batch:data; experts:expert", []),
     ("capacity replicated", REPLICATED, []),
     ("dropless replicated", REPLICATED, ["model.moe_dispatch=dropless"]),
+    ("dropless split", ALL_TO_ALL, ["model.moe_dispatch=dropless"]),
 ]
 
 

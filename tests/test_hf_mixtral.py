@@ -47,6 +47,7 @@ LAYOUTS = {
     "data8": ("data:8", "batch:data", {}),
     "data4-model2": ("data:4,model:2", "batch:data; heads:model; d_ff:model; vocab:model", {}),
     "experts-split": ("data:4,model:2", "batch:data; experts:model", NO_DROP),
+    "dropless-experts-split": ("data:4,model:2", "batch:(data,model); experts:model", {}),
 }
 
 
@@ -174,8 +175,8 @@ def test_capacity_decoding_routes_each_row_on_its_own():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_match_transformers(layout):
     """The fixture's logits within 1e-5 of transformers' float32 ones on one device, data
-    parallel, Megatron-style model parallel (the experts' d_ff split), and capacity dispatch with
-    the experts split over the model axis (the expert weights placed so)."""
+    parallel, Megatron-style model parallel (the experts' d_ff split), and capacity and dropless
+    dispatch with the experts split over the model axis (the expert weights placed so)."""
     mesh, rules, model = LAYOUTS[layout]
     cfg = _cfg(mesh, rules, **model)
     params, report = _load(cfg)
@@ -186,7 +187,7 @@ def test_logits_match_transformers(layout):
     assert report.tensors == len(names.tensors(cfg.model)) == 2 * (6 + 1 + 3 * EXPERTS) + 3
     gate = params["blocks"]["experts_gate"].get_value()
     assert gate.shape == (2, EXPERTS, 32, 32)
-    if layout == "experts-split":
+    if layout in ("experts-split", "dropless-experts-split"):
         assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "model", None, None)
     if layout == "data4-model2":
         assert gate.sharding.spec == jax.sharding.PartitionSpec(None, None, None, "model")
@@ -228,13 +229,15 @@ def _prompts(ref) -> list[np.ndarray]:
             "model.moe_dispatch=capacity",
             f"model.moe_capacity_factor={EXPERTS / TOP_K}",
         ],
+        ["mesh=data:4,model:2", "layout=batch:data; experts:model"],
     ],
-    ids=["dropless", "capacity-experts-split"],
+    ids=["dropless", "capacity-experts-split", "dropless-experts-split"],
 )
 def test_greedy_continuations_equal_transformers_generate_token_for_token(overrides):
     """Three token-id prompts as one left-padded batch, and the first alone: 16 greedy tokens each
     equal transformers' ``generate(do_sample=False)``; also with capacity dispatch that drops
-    nothing (each row's prompt a routing group of its own) and the experts split over the model axis."""
+    nothing (each row's prompt a routing group of its own) and the experts split over the model
+    axis, and dropless with the experts split."""
     ref = np.load(MIXTRAL / "reference.npz")
     cfg = decoding.hf_run_config(MIXTRAL, overrides)
     assert (cfg.model.moe_experts, cfg.model.moe_top_k, cfg.model.moe_every) == (EXPERTS, TOP_K, 1)

@@ -155,10 +155,9 @@ LAYOUTS = {
 }
 
 
-def _train(name: str | None, steps: int = 3, lower: bool = False):
-    """Losses of `steps` SGD steps on fixed batches, on one device (`name` None) or under layout
-    `name`; with `lower`, the compiled step's HLO text instead."""
-    cfg = TINY
+def _train(name: str | None, steps: int = 3, lower: bool = False, cfg: LlamaConfig = TINY):
+    """Losses of `steps` SGD steps of `cfg` on fixed batches, on one device (`name` None) or under
+    layout `name`; with `lower`, the compiled step's HLO text instead."""
     graphdef, params = nnx.split(build(cfg, SPEC, nnx.Rngs(0)))
 
     def step(p, b):
@@ -238,11 +237,24 @@ def test_top_k_below_one_is_one_config_line():
     assert _one_line(e.value, "must be >= 1").startswith("model.moe_top_k:")
 
 
-def test_dropless_with_split_experts_is_one_config_line():
-    cfg = config_lib.load("experiments/moe_tiny.yaml", ["model.moe_dispatch=dropless", "train.progress=false"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dropless_with_split_experts_trains_to_the_single_device_losses(name):
+    dropless = dataclasses.replace(TINY, moe_dispatch="dropless")
+    np.testing.assert_allclose(_train(name, cfg=dropless), _train(None, cfg=dropless), rtol=1e-6, err_msg=name)
+
+
+def test_dropless_with_split_experts_gathers_the_tokens_and_scatters_the_outputs():
+    hlo = _train("all-to-all", lower=True, cfg=dataclasses.replace(TINY, moe_dispatch="dropless"))
+    assert "all-gather" in hlo and "reduce-scatter" in hlo  # each device's experts see every token of its group
+
+
+def test_dropless_with_split_experts_under_a_stage_axis_is_one_config_line():
+    cfg = config_lib.load("experiments/moe_tiny.yaml", [
+        "model.moe_dispatch=dropless", "mesh=data:2,stage:2,expert:2", "layout=batch:data; layers:stage; experts:expert",
+        "train.microbatches=2", "train.progress=false"])  # fmt: skip
     with pytest.raises(ConfigError) as e:
         parts.abstract_step(cfg)
-    _one_line(e.value, "dropless", "replicated")
+    _one_line(e.value, "dropless", "pipeline stage")
 
 
 def test_build_rejects_bad_moe_configs():

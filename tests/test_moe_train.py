@@ -1,7 +1,8 @@
 """A mixture-of-experts model through the real train step (AdamW, the text source, the feeders):
-20 steps under every layout give the single-device losses and router statistics; routed and
-direct feeding, optimizer and parameter offload train bit-identically; remat keeps the losses;
-bfloat16 compute trains the same model under every layout.
+20 steps under every layout give the single-device losses and router statistics (capacity and
+dropless dispatch); routed and direct feeding, optimizer and parameter offload train
+bit-identically; remat keeps the losses; bfloat16 compute trains the same model under every
+layout.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def test_every_layout_trains_to_the_single_device_losses_over_20_steps(name):
     for key in single[0]:
         # float32: the same arithmetic up to the order of the reductions each layout splits
         np.testing.assert_allclose(_column(rows, key), _column(single, key), rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_dropless_dispatch_with_split_experts_trains_to_the_single_device_losses():
+    dropless = ("model.moe_dispatch=dropless",)
+    single, _ = _steps((*LAYOUTS["one device"], *dropless))
+    assert max(_column(single, "moe0_dropped")) == 0  # no token dropped
+    for name in ("experts over the batch's axis (all-to-all)", "experts over their own axis"):
+        rows, _ = _steps((*LAYOUTS[name], *dropless))
+        for key in single[0]:
+            np.testing.assert_allclose(_column(rows, key), _column(single, key), rtol=1e-6, atol=1e-7, err_msg=key)
 
 
 def test_microbatches_train_to_the_single_device_losses_with_as_many_microbatches():

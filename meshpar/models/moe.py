@@ -24,10 +24,12 @@ Dispatch (``moe_dispatch``):
   where the layout puts ``experts`` on an axis the batch is split over, XLA moves the tokens by
   all-to-all, and back the same way.
 * ``dropless`` (MegaBlocks-style): every assignment runs; the ``batch·length·k`` assignments
-  are sorted by expert and each expert's run is one ``jax.lax.ragged_dot``. The sort is over
-  all tokens, and ragged_dot has no partitioning rule for a split group dim, so this mode
-  needs the experts replicated (no layout rule for ``experts``: a one-line layout error
-  otherwise).
+  are sorted by expert and each expert's run is one ``jax.lax.ragged_dot``. ragged_dot has no
+  partitioning rule for a split group dim, so where the layout splits ``experts`` the dispatch
+  is written per device (a ``shard_map``): each device gathers the tokens it shares a
+  batch shard with (but for the experts' axes), runs the assignments to its own experts, and the
+  partial outputs are summed back to the tokens' devices (a reduce-scatter; an all-reduce over
+  experts' axes the batch is not split over).
 
 Per layer (:func:`moe`): the Switch load-balancing loss ``E · Σ_e f_e · p_e`` (``f_e`` the
 share of the ``tokens · k`` assignments routed to expert e, ``p_e`` its mean router
@@ -192,20 +194,9 @@ def _capacity_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     return constrain(y, TOKENS).reshape(batch, length, d), dropped
 
 
-def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
-    """Every assignment of ``h [batch, length, embed]`` run: sorted by expert, one ragged_dot per matrix."""
-    layout = layout_lib.active_layout()
-    if layout is not None and layout.axis("experts") is not None:
-        raise layout_lib.LayoutError(
-            f"model.moe_dispatch dropless needs the experts replicated; the layout splits experts over "
-            f"{layout_lib.format_axes(layout.axis('experts'))} (use moe_dispatch capacity, or drop the experts rule)"
-        )
-    batch, length, d = h.shape
-    k = idx.shape[-1]
-    flat = idx.reshape(-1)  # [tokens·k] each assignment's expert
-    order = jnp.argsort(flat, stable=True)  # assignments by expert, each expert's in token order
-    rows = jnp.take(h.reshape(-1, d), order // k, axis=0)  # [tokens·k, embed]
-    sizes = jnp.bincount(flat, length=w["router"].shape[-1]).astype(jnp.int32)  # [experts]
+def _ragged_mlp(cfg: Any, w: dict[str, jax.Array], rows: jax.Array, sizes: jax.Array) -> jax.Array:
+    """The experts' MLPs on ``rows [n, embed]`` sorted by expert, ``sizes[e]`` rows each (rows past
+    their sum give zeros): one ragged_dot per matrix."""
     if cfg.mlp == "swiglu":
         gate = jax.lax.ragged_dot(rows, w["experts_gate"], sizes)
         f = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, w["experts_up"], sizes)
@@ -213,10 +204,84 @@ def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     else:
         f, out = jax.nn.gelu(jax.lax.ragged_dot(rows, w["experts_in"], sizes)), w["experts_out"]
     f = checkpoint_name(f, "mlp_hidden")
-    y_sorted = jax.lax.ragged_dot(f, out, sizes)  # [tokens·k, embed]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(batch * length, k, d)
-    y = jnp.einsum("tkm,tk->tm", y, weights.reshape(-1, k).astype(y.dtype))
-    return y.reshape(batch, length, d)
+    return jax.lax.ragged_dot(f, out, sizes)
+
+
+def _dropless_block(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array,
+                    experts: int, first: jax.Array | int) -> jax.Array:  # fmt: skip
+    """Every assignment of the tokens ``h [tokens, embed]`` (top-k ``idx``, ``weights`` ``[tokens,
+    k]``, of `experts` experts) that goes to the experts ``first .. first + E_w − 1`` whose weights
+    `w` holds (``E_w`` of them), run and combined: the tokens' outputs from those experts alone.
+    Sorted by expert, those experts' assignments are one contiguous run, rolled to the front."""
+    k, local = idx.shape[-1], w[PARAMS[cfg.mlp][0]].shape[0]
+    flat = idx.reshape(-1)  # [tokens·k] each assignment's expert
+    order = jnp.argsort(flat, stable=True)  # assignments by expert, each expert's in token order
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)  # [experts]
+    rows = jnp.take(h, order // k, axis=0)  # [tokens·k, embed]
+    if local == experts:
+        y_sorted = _ragged_mlp(cfg, w, rows, sizes)
+    else:
+        before = jnp.sum(jnp.where(jnp.arange(experts) < first, sizes, 0))  # the assignments ahead of the run
+        mine = jax.lax.dynamic_slice_in_dim(sizes, first, local)
+        y_sorted = jnp.roll(_ragged_mlp(cfg, w, jnp.roll(rows, -before, axis=0), mine), before, axis=0)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(-1, k, h.shape[-1])
+    return jnp.einsum("tkm,tk->tm", y, weights.reshape(-1, k).astype(y.dtype))
+
+
+def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
+    """Every assignment of ``h [batch, length, embed]`` run: sorted by expert, one ragged_dot per
+    matrix. With the experts split (:func:`_dropless_split`), each device runs its own experts."""
+    batch, length, d = h.shape
+    experts = w["router"].shape[-1]
+    layout, mesh = layout_lib.active_layout(), layout_lib.active_mesh()
+    if layout is not None and mesh is not None and layout.axis("experts") is not None:
+        return _dropless_split(cfg, w, h, idx, weights, layout, mesh)
+    # Traced at one device's shapes with the experts split (meshpar.plan.memory): this device's
+    # experts on the tokens it gathers (the experts' axes the batch is split over), its own share back.
+    ways, shared = _split("experts"), max(_split("batch") // _split("expert_groups"), 1)
+    gathered = min(shared, ways) if ways > 1 else 1
+    h, idx, weights = (jnp.concatenate([a] * gathered) for a in (h, idx, weights))
+    y = _dropless_block(cfg, w, h.reshape(-1, d), idx, weights, experts, 0)
+    return y.reshape(gathered, batch, length, d)[0]
+
+
+def _dropless_split(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array,
+                    layout: layout_lib.Layout, mesh: jax.sharding.Mesh) -> jax.Array:  # fmt: skip
+    """Dropless dispatch with the experts split over the mesh axes X of the layout's ``experts``
+    rule, in a ``shard_map`` over the mesh: each device all-gathers the tokens of the devices it
+    shares a batch shard with but for X (the axes of X the batch is split over), runs every
+    assignment to its own experts (:func:`_dropless_block`), and the devices along X sum their
+    partial outputs, each getting its own tokens' back (a reduce-scatter over the gathered axes, an
+    all-reduce over the others). No token is dropped; the outputs are the replicated experts'
+    but for the order of the sum over the experts. The weights enter split by ``experts`` only
+    (another split of theirs, such as ``d_ff:model``, is gathered at the region's edge)."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        raise layout_lib.LayoutError(
+            "model.moe_dispatch dropless with the experts split cannot run inside a pipeline stage (layers:<axis>); "
+            "use moe_dispatch capacity there, or replicate the experts"
+        )
+    experts_axes = layout_lib.mesh_axes(layout.axis("experts"))
+    batch_axes = layout_lib.mesh_axes(layout.axis("batch"))
+    gathered = tuple(a for a in experts_axes if a in batch_axes)
+    summed = tuple(a for a in experts_axes if a not in batch_axes)
+    experts, d = w["router"].shape[-1], h.shape[-1]
+    names = PARAMS[cfg.mlp]
+    tokens = layout.spec(("batch", None, None))
+    expert_spec = layout.spec(("experts", None, None))
+
+    def body(h, idx, weights, *ws):
+        if gathered:
+            h, idx, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (h, idx, weights))
+        local = dict(zip(names, ws))
+        first = jax.lax.axis_index(experts_axes) * local[names[0]].shape[0]
+        y = _dropless_block(cfg, local, h.reshape(-1, d), idx, weights, experts, first).reshape(h.shape)
+        if gathered:
+            y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, summed) if summed else y
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(tokens, tokens, tokens, *(expert_spec for _ in names)), out_specs=tokens,
+    )(h, idx, weights, *(w[name] for name in names))  # fmt: skip
 
 
 def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

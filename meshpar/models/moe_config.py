@@ -26,8 +26,8 @@ class MoEFields:
     moe_every: int = dataclasses.field(default=1, metadata={"min": 1})
     # capacity = GShard/Switch: each expert takes at most ceil(moe_capacity_factor *
     # group * k / moe_experts) tokens of each group of moe_group_size, the rest are dropped
-    # (counted in the metrics); dropless = every token runs (sorted by expert, ragged_dot),
-    # experts replicated only (no layout rule for experts).
+    # (counted in the metrics); dropless = every token runs (sorted by expert, ragged_dot;
+    # with the experts split, each device runs its own on the tokens it gathers).
     moe_dispatch: Literal["capacity", "dropless"] = "capacity"
     moe_capacity_factor: float = dataclasses.field(default=1.25, metadata={"min": 0.0})  # > 0
     # Tokens per routing group (at most: the largest divisor of batch x length not above it).
