@@ -234,7 +234,8 @@ def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     batch, length, d = h.shape
     experts = w["router"].shape[-1]
     layout, mesh = layout_lib.active_layout(), layout_lib.active_mesh()
-    if layout is not None and mesh is not None and layout.axis("experts") is not None:
+    staged = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage
+    if layout is not None and mesh is not None and (layout.axis("experts") is not None or not staged):
         return _dropless_split(cfg, w, h, idx, weights, layout, mesh)
     # Traced at one device's shapes with the experts split (meshpar.plan.memory): this device's
     # experts on the tokens it gathers (the experts' axes the batch is split over), its own share back.
@@ -247,12 +248,14 @@ def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
 
 def _dropless_split(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array,
                     layout: layout_lib.Layout, mesh: jax.sharding.Mesh) -> jax.Array:  # fmt: skip
-    """Dropless dispatch with the experts split over the mesh axes X of the layout's ``experts``
-    rule, in a ``shard_map`` over the mesh: each device all-gathers the tokens of the devices it
-    shares a batch shard with but for X (the axes of X the batch is split over), runs every
-    assignment to its own experts (:func:`_dropless_block`), and the devices along X sum their
-    partial outputs, each getting its own tokens' back (a reduce-scatter over the gathered axes, an
-    all-reduce over the others). No token is dropped; the outputs are the replicated experts'
+    """Dropless dispatch per device, in a ``shard_map`` over the mesh, with the experts split over
+    the mesh axes X of the layout's ``experts`` rule (none: replicated): each device all-gathers
+    the tokens of the devices it shares a batch shard with but for X (the axes of X the batch is
+    split over), runs every assignment to its own experts (:func:`_dropless_block`), and the
+    devices along X sum their partial outputs, each getting its own tokens' back (a
+    reduce-scatter over the gathered axes, an all-reduce over the others). With the experts
+    replicated each device sorts and runs its own tokens alone (XLA's partitioner would gather
+    the whole batch to sort it). No token is dropped; the outputs are the replicated experts'
     but for the order of the sum over the experts. The weights enter split by ``experts`` only
     (another split of theirs, such as ``d_ff:model``, is gathered at the region's edge)."""
     if jax.sharding.get_abstract_mesh().manual_axes:
@@ -273,7 +276,7 @@ def _dropless_split(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Ar
         if gathered:
             h, idx, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (h, idx, weights))
         local = dict(zip(names, ws))
-        first = jax.lax.axis_index(experts_axes) * local[names[0]].shape[0]
+        first = jax.lax.axis_index(experts_axes) * local[names[0]].shape[0] if experts_axes else 0
         y = _dropless_block(cfg, local, h.reshape(-1, d), idx, weights, experts, first).reshape(h.shape)
         if gathered:
             y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)

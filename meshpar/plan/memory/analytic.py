@@ -309,20 +309,21 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     if model.experts and getattr(cfg.model, "moe_dispatch", "capacity") == "dropless":
         # jax lowers ragged_dot on XLA:CPU and XLA:GPU alike (_ragged_dot_general_impl, without
         # jax_ragged_dot_use_ragged_dot_instruction) to one dot over every expert of masked copies
-        # of its rows, and its weight gradient likewise: validate_memory found moe_tiny dropless
-        # at a tenth of XLA's total on both
+        # of its rows, and its weight gradient likewise: moe_tiny dropless with the experts
+        # replicated 40.5% under XLA:CPU's total (validate_memory.py --ci --beyond-scope)
         return ("dropless mixture-of-experts dispatch (jax lowers ragged_dot to a dot over every expert of "
                 "masked copies of its rows: [experts, rows, embed])")  # fmt: skip
     if model.experts and model.remat not in (None, "none"):
         # the recomputed dispatch and expert MLPs of a layer's backward keep copies of the expert
         # hidden [groups, experts, capacity, d_ff] (XLA:CPU's transposes for its dots) that the
-        # working set does not count: validate_memory found moe_tiny with remat full 25.9% and
-        # with remat dots 27.1% under XLA:CPU's total
+        # working set does not count: moe_tiny with remat full 25.9% under XLA:CPU's total
+        # (validate_memory.py --ci --beyond-scope)
         return f"a mixture of experts under model.remat {model.remat} (the recomputed expert MLPs' copies are not modelled)"
     axes = {name for name, size in cfg.mesh if size != 1}
     if model.experts and any(dim == "layers" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
         # the pipeline's accounting (meshpar.plan.memory.stage_axis) counts a stage's dense layers'
-        # residuals per tick; the dispatch maps and routed tokens each tick keeps are not in it
+        # residuals per tick; the dispatch maps and routed tokens each tick keeps are not in it:
+        # moe_tiny on data:2,stage:2,expert:2 18.6% under XLA:CPU's total (validate_memory.py --ci --beyond-scope)
         return "a mixture of experts under a stage axis (the pipeline's accounting leaves out the dispatch buffers)"
     if any(dim == "length" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
         # XLA's partitioner gathers keys and values over the split and reshards the dense
