@@ -65,8 +65,9 @@ import common
 
 # Mixture of experts (meshpar.models.moe) beyond moe_tiny as shipped: other expert counts, top-1,
 # every other layer, capacity factors, the experts split over an axis the batch is not split on
-# (each device slices its experts' tokens) and replicated, FSDP; full remat, dropless dispatch
-# and a stage axis (out of scope: their rows say why).
+# (each device slices its experts' tokens) and replicated, FSDP; dropless dispatch with the experts
+# replicated (top-1 of 16 too); full remat, dropless with the experts split and a stage axis (out
+# of scope: their rows say why).
 MOE = [
     ["model.moe_experts=4", "model.moe_top_k=1"],
     ["model.moe_every=2", "model.n_layers=4"],
@@ -77,6 +78,8 @@ MOE = [
     ["param_layout=embed:data"],
     ["model.remat=full"],
     ["model.moe_dispatch=dropless", "layout=batch:(data,expert)"],
+    ["model.moe_dispatch=dropless", "layout=batch:(data,expert)", "model.moe_top_k=1", "model.moe_experts=16"],
+    ["model.moe_dispatch=dropless", "model.moe_every=2", "model.n_layers=4"],
     ["mesh=data:2,stage:2,expert:2", "layout=batch:data; layers:stage; experts:expert", "train.microbatches=2"],
 ]
 # The microbatch / remat variants, and the layer loop run as a loop (what accelerators do by default).

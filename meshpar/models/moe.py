@@ -194,17 +194,30 @@ def _capacity_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     return constrain(y, TOKENS).reshape(batch, length, d), dropped
 
 
+def _ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, sizes)``; traced at one device's shapes (the planner's memory
+    model, :func:`_split`) as jax lowers it on XLA:CPU and XLA:GPU (``_ragged_dot_general_impl``):
+    ``x [m, k]`` copied once per group with the other groups' rows zeroed, ``[groups, m, k]``,
+    and one dot over the groups, so that the trace keeps what the compiled program keeps."""
+    if tracing.current().splits is None:
+        return jax.lax.ragged_dot(x, w, sizes)
+    ends = jnp.cumsum(sizes)
+    rows = jnp.arange(x.shape[0])
+    mask = ((ends - sizes)[:, None] <= rows) & (rows < ends[:, None])  # [groups, m]
+    return jnp.einsum("gmk,gkn->mn", jnp.where(mask[..., None], x[None], 0), w)
+
+
 def _ragged_mlp(cfg: Any, w: dict[str, jax.Array], rows: jax.Array, sizes: jax.Array) -> jax.Array:
     """The experts' MLPs on ``rows [n, embed]`` sorted by expert, ``sizes[e]`` rows each (rows past
     their sum give zeros): one ragged_dot per matrix."""
     if cfg.mlp == "swiglu":
-        gate = jax.lax.ragged_dot(rows, w["experts_gate"], sizes)
-        f = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, w["experts_up"], sizes)
+        gate = _ragged_dot(rows, w["experts_gate"], sizes)
+        f = jax.nn.silu(gate) * _ragged_dot(rows, w["experts_up"], sizes)
         out = w["experts_down"]
     else:
-        f, out = jax.nn.gelu(jax.lax.ragged_dot(rows, w["experts_in"], sizes)), w["experts_out"]
+        f, out = jax.nn.gelu(_ragged_dot(rows, w["experts_in"], sizes)), w["experts_out"]
     f = checkpoint_name(f, "mlp_hidden")
-    return jax.lax.ragged_dot(f, out, sizes)
+    return _ragged_dot(f, out, sizes)
 
 
 def _dropless_block(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array,
@@ -235,7 +248,8 @@ def _dropless_mlp(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Arra
     experts = w["router"].shape[-1]
     layout, mesh = layout_lib.active_layout(), layout_lib.active_mesh()
     staged = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage
-    if layout is not None and mesh is not None and (layout.axis("experts") is not None or not staged):
+    at_step = tracing.current().splits is None  # not traced at one device's shapes
+    if at_step and layout is not None and mesh is not None and (layout.axis("experts") is not None or not staged):
         return _dropless_split(cfg, w, h, idx, weights, layout, mesh)
     # Traced at one device's shapes with the experts split (meshpar.plan.memory): this device's
     # experts on the tokens it gathers (the experts' axes the batch is split over), its own share back.

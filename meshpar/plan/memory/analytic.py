@@ -307,12 +307,18 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
     if model.dropout > 0.0:
         return "dropout (XLA keeps the 32-bit random bits behind each mask)"
     if model.experts and getattr(cfg.model, "moe_dispatch", "capacity") == "dropless":
-        # jax lowers ragged_dot on XLA:CPU and XLA:GPU alike (_ragged_dot_general_impl, without
-        # jax_ragged_dot_use_ragged_dot_instruction) to one dot over every expert of masked copies
-        # of its rows, and its weight gradient likewise: moe_tiny dropless with the experts
-        # replicated 40.5% under XLA:CPU's total (validate_memory.py --ci --beyond-scope)
-        return ("dropless mixture-of-experts dispatch (jax lowers ragged_dot to a dot over every expert of "
-                "masked copies of its rows: [experts, rows, embed])")  # fmt: skip
+        # Traced as jax lowers ragged_dot (meshpar.models.moe._ragged_dot: one masked copy of the
+        # rows per expert), dropless dispatch with every expert whole on every device is modelled
+        # (validate_memory's rows). Split weights are not: each device gathers its group's tokens,
+        # rolls them (copies of every row) and reduces the outputs, or gathers d_ff or embed at the
+        # region's edge (meshpar.models.moe._dropless_split): moe_tiny dropless, every other layer,
+        # on its own layout 20.5% under XLA:CPU's total (validate_memory.py --ci --beyond-scope).
+        weights = ("experts", "d_ff", "embed")
+        split = [d for rules in (cfg.layout, cfg.param_layout) for d, _ in layout_lib.on_mesh(rules, {n for n, s in cfg.mesh if s != 1})
+                 if d in weights]  # fmt: skip
+        if split:
+            return (f"dropless mixture-of-experts dispatch with the expert weights split by {', '.join(sorted(set(split)))} "
+                    "(the gathered, rolled rows are not modelled)")  # fmt: skip
     if model.experts and model.remat not in (None, "none"):
         # the recomputed dispatch and expert MLPs of a layer's backward keep copies of the expert
         # hidden [groups, experts, capacity, d_ff] (XLA:CPU's transposes for its dots) that the
