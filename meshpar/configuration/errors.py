@@ -29,6 +29,11 @@ class DistributedError(RuntimeError):
     cannot be reached, a peer that never came) or one of them stopped with an error."""
 
 
+class CompileError(RuntimeError):
+    """XLA's compiler failed on the step for its target (an internal compiler error, not a config
+    mistake): names the target and the compiler's own first line."""
+
+
 # exception → (prefix, exit status). Order matters: the first class that matches wins.
 FAILURES: dict[type[Exception], tuple[str, int]] = {
     ConfigError: ("config error", 2),
@@ -37,6 +42,7 @@ FAILURES: dict[type[Exception], tuple[str, int]] = {
     OutputError: ("output error", 2),
     DistributedError: ("distributed error", 2),
     TrainingError: ("training error", 1),
+    CompileError: ("compile error", 1),
 }
 
 

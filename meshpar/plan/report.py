@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
+from meshpar.configuration import errors
 from meshpar.configuration.config import Config
 from meshpar.plan import cost
 from meshpar.plan import programs as programs_lib
@@ -143,7 +146,12 @@ def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None, cap
     compile target's: the machine's, :func:`meshpar.plan.cost.machine_capacity`)."""
     step = step or parts.abstract_step(cfg)
     analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)  # None: out of scope
-    compiled = step.lower().compile()
+    try:
+        compiled = step.lower().compile()
+    except jax.errors.JaxRuntimeError as e:  # the compiler's own failure: one line, not its traceback
+        first = str(e).splitlines()[0].split(", metadata=")[0]
+        where = f"{step.mesh.size} {step.mesh.devices.flat[0].platform} devices ({mesh_lib.describe(step.mesh)})"
+        raise errors.CompileError(f"XLA cannot compile the train step for {where}: {first}") from None
     return Report(
         mesh_lib.describe(step.mesh), f"{step.mesh.size} {step.mesh.devices.flat[0].platform}",
         analytic, missing, aot.memory(compiled), capacity or cost.device_capacity(cfg, step.mesh),
