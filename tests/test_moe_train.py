@@ -36,6 +36,9 @@ LAYOUTS = {
     "experts over their own axis": ("mesh=data:2,expert:4", "layout=batch:data; experts:expert"),
     "experts over the batch's axis (all-to-all)": ("mesh=data:8", "layout=batch:data; experts:data"),
     "experts with heads and vocab": ("mesh=data:4,model:2", "layout=batch:data; experts:model; heads:model; vocab:model"),
+    "experts beside a Megatron split": (
+        "mesh=data:2,expert:2,model:2", "layout=batch:data; experts:expert; d_ff:model; heads:model; vocab:model",
+    ),
     "FSDP": ("mesh=data:4,expert:2", "layout=batch:data; experts:expert", "param_layout=embed:data"),
 }  # fmt: skip
 
