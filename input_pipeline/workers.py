@@ -317,11 +317,20 @@ class _Workers:
         except OSError:  # no /dev/shm: not Linux
             return
         for name in names:
+            # Attached, then unlinked: the attach registers the name with this process's resource
+            # tracker and the unlink unregisters it, a pair. A bare unregister would be one too
+            # many for a batch a worker queued that this process never attached (the tracker
+            # prints a KeyError traceback), and only one unlink of a name succeeds, so Grain's
+            # unlinking thread and this one never both unregister it.
             try:
-                os.unlink(os.path.join(_SHM_DIR, name))
+                segment = shared_memory.SharedMemory(name)
             except FileNotFoundError:  # Grain's unlinking got there first
                 continue
-            resource_tracker.unregister(f"/{name}", "shared_memory")  # as SharedMemory.unlink() does
+            segment.close()
+            try:
+                segment.unlink()
+            except FileNotFoundError:  # Grain's, between the attach and here: it unregistered the name
+                continue
 
 
 _OPEN: set[_Workers] = set()
