@@ -22,6 +22,7 @@ from meshpar.hf import export, load, names, reader, writer
 from meshpar.hf import model_config as hf_config
 from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
+from tests.support import steps
 from tests.support.hf_import import import_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -44,15 +45,9 @@ def _cfg(fixture: str, mesh: str = "data:8", layout: str = "batch:data", **model
     })  # fmt: skip
 
 
-_STEPS: dict[str, parts.AbstractStep] = {}
-
-
 def _step(cfg: config.Config) -> parts.AbstractStep:
     """The config's parts (mesh, layout, state plan), built once per config."""
-    key = json.dumps(config.to_dict(cfg), sort_keys=True, default=str)
-    if key not in _STEPS:
-        _STEPS[key] = parts.abstract_step(cfg, element_spec=SPEC)
-    return _STEPS[key]
+    return steps.abstract_step(cfg, SPEC)
 
 
 def _load(fixture: str | Path, cfg: config.Config):

@@ -30,6 +30,7 @@ from meshpar.models import llama
 from meshpar.run import decoding, experiment, loop, parts
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
+from tests.support import steps
 from tests.support.cli import refuses_in_one_line
 from tests.support.hf_import import import_report
 from tests.support.kv_cache import decode_errors
@@ -59,14 +60,9 @@ def _cfg(mesh: str = "data:8", layout: str = "batch:data", folder: Path = MIXTRA
     })  # fmt: skip
 
 
-_STEPS: dict[str, parts.AbstractStep] = {}
-
-
 def _step(cfg: config.Config) -> parts.AbstractStep:
-    key = json.dumps(config.to_dict(cfg), sort_keys=True, default=str)
-    if key not in _STEPS:
-        _STEPS[key] = parts.abstract_step(cfg, element_spec=SPEC)
-    return _STEPS[key]
+    """The config's parts (mesh, layout, state plan), built once per config."""
+    return steps.abstract_step(cfg, SPEC)
 
 
 def _load(cfg: config.Config, folder: Path = MIXTRAL):

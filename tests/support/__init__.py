@@ -8,7 +8,8 @@ package) for a test that uses it as a library: the shared helpers the scripts us
 
 Its modules hold checks more than one test file makes: :mod:`.cli` (a command's one-line
 refusal), :mod:`.kv_cache` (cached decoding against the full forward pass), :mod:`.hf_import` (a
-Hugging Face import's host memory, in a process of its own). pytest rewrites the asserts of
+Hugging Face import's host memory, in a process of its own), :mod:`.steps` (abstract train
+steps built once per config). pytest rewrites the asserts of
 :mod:`.cli` and :mod:`.hf_import` as a test's, so that a failure shows the values compared.
 """
 
