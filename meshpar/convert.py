@@ -6,7 +6,7 @@
 
 ``from-hf`` writes W: step 0 of the run config X describes, with HF_DIR's weights in that run's
 shardings and fresh optimizer state, the tokenizer files and the original config (see
-:mod:`meshpar.hf.runs`). Continue it with ``python -m meshpar.train --config X [the same
+:mod:`meshpar.run.hf_runs`). Continue it with ``python -m meshpar.train --config X [the same
 overrides] workdir=W --resume``, or start other runs from it with ``checkpoint.init_from: W``.
 X's model section must be ``name: llama`` with every architecture field equal to
 ``config.json``'s (nothing is filled in; ``model-yaml`` prints the section that matches: for a
@@ -26,11 +26,12 @@ import re
 import sys
 from pathlib import Path
 
+from meshpar.backend import compile_cache
 from meshpar.configuration import config as config_lib
 from meshpar.configuration import errors
 from meshpar.hf import model_config as hf_config
-from meshpar.hf import runs, writer
-from meshpar.run import compile_cache
+from meshpar.hf import writer
+from meshpar.run import hf_runs
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -49,7 +50,7 @@ def _mib(n: int) -> str:
 def from_hf(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     compile_cache.configure(cfg.compile_cache)
-    done = runs.from_hf(cfg, args.hf_dir, args.workdir)
+    done = hf_runs.from_hf(cfg, args.hf_dir, args.workdir)
     r = done.report
     print(f"from-hf: {done.source.describe()}, {_mib(r.file_bytes)} → {done.checkpoint} (step 0, fresh "
           f"{cfg.optimizer.name} state), model param_dtype {cfg.model.param_dtype}, mesh {done.mesh}, layout {done.layout}")  # fmt: skip
@@ -64,7 +65,7 @@ def from_hf(args) -> int:
 
 
 def to_hf(args) -> int:
-    done = runs.to_hf(args.run, args.out_dir, args.max_shard_size)
+    done = hf_runs.to_hf(args.run, args.out_dir, args.max_shard_size)
     print(f"to-hf: {done.run.describe()} → {args.out_dir}: {done.tensors} tensors, {_mib(done.bytes)} {done.dtype}")
     print(f"to-hf: wrote {', '.join(done.written)}")
     if not any(name.startswith("tokenizer") for name in done.written):

@@ -77,7 +77,8 @@ class Row:
         from meshpar.configuration import config
         from meshpar.plan.time import reshards, timing
         from meshpar.processes import stop
-        from meshpar.run import experiment, parts
+        from meshpar.run import experiment
+        from meshpar.step import parts
 
         base = config.load(CONFIG, [*model, *args.overrides])
         dense_ff = f"model.d_ff={base.model.moe_top_k * base.model.d_ff}"  # the active MLP of an MoE layer

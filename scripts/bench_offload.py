@@ -167,9 +167,10 @@ def run_one(label: str, args) -> dict:
 
     from meshpar.configuration import config
     from meshpar.processes import stop
-    from meshpar.run import experiment, parts, trainer
+    from meshpar.run import experiment
     from meshpar.sharding import mesh as mesh_lib
     from meshpar.sharding import offload
+    from meshpar.step import parts, trainer
 
     overrides, memory = SETTINGS[label]
     workdir = tempfile.mkdtemp(prefix="meshpar-bench-offload-")

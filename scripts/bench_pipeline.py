@@ -90,7 +90,8 @@ class Row:
         from meshpar.configuration import config
         from meshpar.plan.time import timing
         from meshpar.processes import stop
-        from meshpar.run import experiment, parts
+        from meshpar.run import experiment
+        from meshpar.step import parts
 
         stages, microbatches, kind, repeats = key
         mesh, layout = MESHES[stages]

@@ -81,8 +81,8 @@ def hand_step(exp):
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from meshpar.run import parts
     from meshpar.sharding import layout as layout_lib
+    from meshpar.step import parts
 
     tx, plan = parts.plan_model(exp.cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
 

@@ -405,10 +405,11 @@ def out_of_core_sweep(argv: list[str]) -> int:
     p.add_argument("--json", type=pathlib.Path, required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    from meshpar.backend import compile_cache
     from meshpar.configuration import config
     from meshpar.plan import gpu_target, topology
     from meshpar.plan.out_of_core import comparison as out_of_core
-    from meshpar.run import compile_cache, parts
+    from meshpar.step import parts
 
     cfg = config.load(str(ROOT / GPU_LM), args.overrides)
     topo = topology.load(args.topology)

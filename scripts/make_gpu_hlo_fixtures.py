@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.configuration import config
 from meshpar.plan import gpu_target, topology
-from meshpar.run import parts
+from meshpar.step import parts
 
 TOPOLOGY = "h100-sxm-8"
 # The model the LM programs train: weights (d_model 128, d_ff 512) outweigh the activations

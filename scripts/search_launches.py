@@ -22,8 +22,8 @@ from meshpar.plan import gpu_target, topology
 from meshpar.plan.memory import stage_axis as stages
 from meshpar.plan.search import estimates
 from meshpar.plan.time import timing
-from meshpar.run import parts
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import parts
 
 LAYOUT = "batch:data; heads:model; d_ff:model; vocab:model; layers:stage"
 CASES = [([("data", 8)], 2), ([("data", 4), ("model", 2)], 4), ([("data", 2), ("stage", 2), ("model", 2)], 8)]

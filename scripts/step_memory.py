@@ -4,7 +4,7 @@
         --vary train.microbatches=1,2,4 [--vary model.n_layers=2,8] [--json out.json]
 
 Each variant (every combination of the ``--vary`` values, applied on top of the overrides) is
-the config's real train step, compiled ahead of time on abstract inputs (:mod:`meshpar.run.aot`):
+the config's real train step, compiled ahead of time on abstract inputs (:mod:`meshpar.step.aot`):
 nothing is allocated and no step runs. The figures are XLA's ``memory_analysis()`` of the
 compiled program, per device: arguments, outputs, aliased (donated) bytes, temporaries, and
 their total (argument + output + temp − alias). ``--vary`` values are split on ``,``, or on
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from meshpar.run import aot, parts
+    from meshpar.step import aot, parts
 
     table = Table(title=f"{args.config} {' '.join(args.overrides)}: compiled train step, MiB per device")
     table.add_column("variant")

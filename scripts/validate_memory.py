@@ -15,7 +15,7 @@ and fewer; nobody tuned the model on them. Default: both sets; ``--generated``: 
 given as arguments: those alone.
 
 For each: :func:`meshpar.plan.memory.analytic.analytic` (nothing compiled) and the real train step
-compiled ahead of time on abstract inputs (:func:`meshpar.run.aot.memory`), MiB per device.
+compiled ahead of time on abstract inputs (:func:`meshpar.step.aot.memory`), MiB per device.
 Nothing is allocated and no step runs. XLA sees one step program, so the analytic figures are
 compared on what that program holds:
 
@@ -339,7 +339,7 @@ def measure(path: str, overrides: list[str], beyond: bool = False) -> dict:
     from meshpar.configuration import config
     from meshpar.plan.memory import analytic as memory
     from meshpar.plan.memory import trace
-    from meshpar.run import aot, parts
+    from meshpar.step import aot, parts
 
     cfg = config.load(path, [*overrides, "train.progress=false"])
     row = {"config": path, "overrides": overrides}
@@ -366,11 +366,12 @@ def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
     against the analytic model for that platform and lowering: ``{"compiled_for", "lowerings":
     {lowering: {"analytic", "step_total_bytes", "xla", "compare", "gemm_calls"}}}``; ``{"n/a": why}``
     when the mesh does not fit the machine, ``{"out_of_scope": why}``, or ``{"error": why}`` (a miss)."""
+    from meshpar.backend import compile_cache
     from meshpar.configuration import config
     from meshpar.plan import gpu_target, topology
     from meshpar.plan.memory import analytic as memory
-    from meshpar.run import aot, compile_cache, parts
     from meshpar.sharding import mesh as mesh_lib
+    from meshpar.step import aot, parts
 
     try:
         cfg = config.load(path, [*overrides, "train.progress=false"])

@@ -218,12 +218,13 @@ def _key(row: Row, digest: str) -> str:
 def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = False) -> tuple[str, float]:
     """The optimised HLO of the row's train step on its machine (cached), and the compile time
     (0 when cached). Beside it, XLA's memory figures of the compiled step (``.xla.json``:
-    :func:`meshpar.run.aot.memory`); `need_memory`: compile again where an older cache entry lacks them."""
+    :func:`meshpar.step.aot.memory`); `need_memory`: compile again where an older cache entry lacks them."""
     import numpy as np
 
+    from meshpar.backend import compile_cache
     from meshpar.configuration import config as config_lib
     from meshpar.plan import gpu_target, topology
-    from meshpar.run import aot, compile_cache, parts
+    from meshpar.step import aot, parts
 
     path = cache / f"{_key(row, digest)}.hlo"
     if path.is_file() and (not need_memory or path.with_suffix(".xla.json").is_file()):
@@ -254,7 +255,7 @@ def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
     from meshpar.configuration import config as config_lib
     from meshpar.plan import gpu_target, topology
     from meshpar.plan.memory import analytic as memory
-    from meshpar.run import parts
+    from meshpar.step import parts
 
     compile_hlo(row, cache, digest, need_memory=True)
     xla = json.loads((cache / f"{_key(row, digest)}.xla.json").read_text())["total_bytes"]

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     from meshpar.plan.search import candidates
     from meshpar.plan.search import layouts as search_lib
     from meshpar.plan.time.time_report import fmt_seconds
-    from meshpar.run import parts
     from meshpar.sharding import layout as layout_lib
+    from meshpar.step import parts
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:

@@ -19,11 +19,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
 
-# meshpar before jax: its import quiets jax's CUDA plugin on a host without a GPU (meshpar.run.quiet).
+# meshpar before jax: its import quiets jax's CUDA plugin on a host without a GPU (meshpar.backend.quiet).
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from meshpar.run import compile_cache, quiet
+from meshpar.backend import compile_cache, quiet
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -16,10 +16,10 @@ from meshpar.configuration.config import ConfigError
 from meshpar.models import attention
 from meshpar.models.layers import scan_unroll
 from meshpar.models.transformer import TransformerConfig, build
-from meshpar.run import trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import trainer
+from meshpar.step.inputs import batch_shardings
 
 LENGTH, BATCH = 32, 8
 SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}

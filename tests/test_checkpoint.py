@@ -29,9 +29,10 @@ from meshpar.checkpoints.checkpoint import Checkpointer, CheckpointError, Codec
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.processes.stop import make_flags
-from meshpar.run import experiment, parts
-from meshpar.run.trainer import TrainState
+from meshpar.run import experiment
 from meshpar.sharding import stages as pipeline
+from meshpar.step import parts
+from meshpar.step.trainer import TrainState
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -456,7 +457,7 @@ _SAVER = textwrap.dedent(
     import jax.numpy as jnp
     from meshpar.checkpoints import integrity
     from meshpar.checkpoints.checkpoint import Checkpointer
-    from meshpar.run.trainer import TrainState
+    from meshpar.step.trainer import TrainState
 
     def state(k):
         w, rng = jnp.arange(4096.0) * k, jnp.array([k, 7], jnp.uint32)

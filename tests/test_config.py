@@ -328,7 +328,7 @@ def test_layout_errors_become_config_errors(mesh, layout, substrings):
 
 def test_layout_may_name_axes_the_mesh_does_not_have():
     # As in Mesh TensorFlow, such rules are left out (meshpar.sharding.layout.Layout.create) and reported
-    # at start (meshpar.run.parts.unused_rules), not refused: one rule string serves many meshes.
+    # at start (meshpar.step.parts.unused_rules), not refused: one rule string serves many meshes.
     assert from_dict(cfg_with(layout="hidden:model")).layout == (("hidden", "model"),)
     cfg = from_dict(cfg_with(mesh="b1:4;b2:2", layout="batch:(b0,b1);hidden:b2", train={"batch_size": 4}))
     assert cfg.mesh == (("b1", 4), ("b2", 2)) and cfg.layout == (("batch", ("b0", "b1")), ("hidden", "b2"))

@@ -18,14 +18,15 @@ import pytest
 from flax import nnx
 
 from meshpar import convert, train
-from meshpar.checkpoints import init_from
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
-from meshpar.hf import export, reader, runs, writer
+from meshpar.hf import export, reader, writer
 from meshpar.hf import load as hf_load
-from meshpar.run import experiment, loop, parts
+from meshpar.run import experiment, init_from, loop
+from meshpar.run import hf_runs as runs
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import parts
 from tests.support.cli import refuses_in_one_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

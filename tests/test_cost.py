@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshpar.backend import allocator
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.plan import cost, topology
@@ -22,24 +23,24 @@ GIB = 1 << 30
 
 @pytest.fixture
 def no_fraction(monkeypatch):
-    for name in cost.FRACTION_VARIABLES:
+    for name in allocator.FRACTION_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
 def test_allocator_fraction_reads_the_new_name_first_then_the_old(no_fraction):
-    assert cost.allocator_fraction() == (0.75, "0.75 by default")
+    assert allocator.allocator_fraction() == (0.75, "0.75 by default")
     no_fraction.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
-    assert cost.allocator_fraction()[0] == 0.6
+    assert allocator.allocator_fraction()[0] == 0.6
     no_fraction.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
-    assert cost.allocator_fraction() == (0.9, "XLA_CLIENT_MEM_FRACTION=0.9")
+    assert allocator.allocator_fraction() == (0.9, "XLA_CLIENT_MEM_FRACTION=0.9")
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "1.5", "-0.2"])
 def test_a_bad_allocator_fraction_is_one_line_naming_the_variable(no_fraction, value):
     no_fraction.setenv("XLA_CLIENT_MEM_FRACTION", value)
     with pytest.raises(ConfigError, match=r"^XLA_CLIENT_MEM_FRACTION: is "):
-        cost.allocator_fraction()
+        allocator.allocator_fraction()
 
 
 def test_an_80_gib_gpu_plans_with_memory_times_fraction_less_headroom(no_fraction):
@@ -194,13 +195,13 @@ def test_each_shared_figure_is_computed_in_the_cost_module_only():
     assert all(pattern.search(cost_code) for what, pattern in ONCE.items() if what != "the headroom")
 
 
-def test_only_the_cost_module_reads_the_allocator_fraction():
+def test_only_the_allocator_module_reads_the_allocator_fraction():
     readers = set()
     for path in (REPO / "meshpar").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and node.value in cost.FRACTION_VARIABLES:
+            if isinstance(node, ast.Constant) and node.value in allocator.FRACTION_VARIABLES:
                 readers.add(path.name)
-    assert readers == {"cost.py"}
+    assert readers == {"allocator.py"}
 
 
 # A one-hidden-layer MLP of 1024 x 1024 weights on 4 devices: its layouts need 5-21 MiB each.

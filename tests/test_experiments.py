@@ -11,8 +11,9 @@ import pytest
 from meshpar import train
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
-from meshpar.run import aot, experiment, loop, parts
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
+from meshpar.step import aot, parts
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.yaml"))
 SHORT = ["train.steps=2", "train.log_every=1", "train.eval_batches=1", "train.progress=false"]

@@ -16,8 +16,8 @@ from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar.configuration import config as config_lib
 from meshpar.plan import cost, topology
 from meshpar.plan.time import feed_time
-from meshpar.run import inputs
 from meshpar.sharding.mesh import build_mesh
+from meshpar.step import inputs
 
 MIB = 1 << 20
 

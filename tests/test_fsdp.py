@@ -14,11 +14,12 @@ from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.models import decoder, transformer
 from meshpar.processes import stop
-from meshpar.run import aot, experiment, loop, parts, trainer
-from meshpar.run.inputs import make_source
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding.layout import Layout, LayoutError, format_rules, parse_rules
 from meshpar.sharding.mesh import build_mesh
+from meshpar.step import aot, parts, trainer
+from meshpar.step.inputs import make_source
 
 SIZES = {"replica": 2, "data": 2, "model": 2}
 MODEL_PARALLEL = "d_ff:model; heads:model; vocab:model"

@@ -14,7 +14,7 @@ from meshpar.plan import gpu_target, topology
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.memory import trace
 from meshpar.plan.time import gemm
-from meshpar.run import aot, parts
+from meshpar.step import aot, parts
 
 pytestmark = pytest.mark.gpu_target
 

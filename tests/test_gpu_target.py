@@ -9,11 +9,12 @@ import re
 
 import pytest
 
+from meshpar.backend import quiet
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import gpu_target, hlo, topology
-from meshpar.run import parts, quiet
+from meshpar.step import parts
 
 GIB = 1 << 30
 GPUS = [n for n in topology.names() if n != topology.CPU_SIM]

@@ -15,7 +15,7 @@ from meshpar import models
 from meshpar.configuration import config
 from meshpar.plan import hlo, topology
 from meshpar.plan.time import timing
-from meshpar.run import parts
+from meshpar.step import parts
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "gpu_hlo"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

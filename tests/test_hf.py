@@ -20,8 +20,8 @@ from meshpar.configuration.config import ConfigError
 from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import export, load, names, reader, writer
 from meshpar.hf import model_config as hf_config
-from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import parts
 from tests.support import steps
 from tests.support.hf_import import import_report
 

@@ -21,15 +21,15 @@ from flax import nnx
 
 from meshpar import convert, generate
 from meshpar import train as train_cli
-from meshpar.checkpoints import init_from
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.hf import export, load, names, reader, writer
 from meshpar.hf import model_config as hf_config
 from meshpar.models import llama
-from meshpar.run import decoding, experiment, loop, parts
+from meshpar.run import decoding, experiment, init_from, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import parts
 from tests.support import steps
 from tests.support.cli import refuses_in_one_line
 from tests.support.hf_import import import_report

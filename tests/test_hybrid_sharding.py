@@ -14,7 +14,8 @@ from meshpar.configuration import config
 from meshpar.plan import gpu_target, topology
 from meshpar.plan.time import timing
 from meshpar.processes import stop
-from meshpar.run import experiment, parts
+from meshpar.run import experiment
+from meshpar.step import parts
 
 # A small byte-level Transformer, its batch over (data, fsdp): 2 "nodes" of 4 devices each.
 TINY = [

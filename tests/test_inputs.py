@@ -1,4 +1,4 @@
-"""meshpar's inputs (meshpar.run.inputs) on a prepared token corpus (``data.source: tokens``) and
+"""meshpar's inputs (meshpar.step.inputs) on a prepared token corpus (``data.source: tokens``) and
 with worker processes (``data.workers``): training is the same for every worker count, a run
 resumes with another one, and bad data or a lost worker stops the run in one line that names
 the file or the worker and the last checkpoint, changing nothing on disk."""
@@ -22,8 +22,8 @@ from input_pipeline.batching import HostLoader
 from input_pipeline.tokens import TokenSource
 from meshpar import train
 from meshpar.configuration import config
-from meshpar.run import inputs
 from meshpar.run.metrics import read_jsonl
+from meshpar.step import inputs
 from tests.support import script
 
 REPO = Path(__file__).resolve().parents[1]

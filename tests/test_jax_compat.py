@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from input_pipeline import grain_compat
 from meshpar import jax_compat
 from meshpar.plan import gpu_target, topology
-from meshpar.run import aot
+from meshpar.step import aot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_the_public_apis_that_replaced_the_fallbacks_are_here():
                                   out_specs=PartitionSpec("devices")))  # fmt: skip
     x = jax.device_put(np.arange(8, dtype=np.float32), split)
     assert np.asarray(total(x)).tolist() == [28.0] * 8
-    # ArgInfo.shape/.dtype and Compiled.out_info (meshpar.run.aot's host-memory bytes)
+    # ArgInfo.shape/.dtype and Compiled.out_info (meshpar.step.aot's host-memory bytes)
     compiled = (
         jax.jit(lambda a, b: a @ b, donate_argnums=0)
         .lower(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=split), jax.ShapeDtypeStruct((4, 2), jnp.bfloat16))

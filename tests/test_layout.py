@@ -363,7 +363,7 @@ def mlp_experiment():
     (config → mesh → layout → check_params → init_state), without the input pipeline."""
     from meshpar.configuration import config as config_lib
     from meshpar.models import MODELS
-    from meshpar.run import trainer
+    from meshpar.step import trainer
 
     cfg = config_lib.from_dict(
         {"mesh": "data:4,model:2", "layout": "batch:data; hidden:model", "model": {"name": "mlp", "hidden": [64, 32]}}
@@ -432,7 +432,7 @@ def test_mlp_other_params_follow_their_dims(mlp_experiment):
 def test_check_params_names_the_parameter():
     from meshpar.models import MODELS
     from meshpar.models.mlp import MLPConfig
-    from meshpar.run import trainer
+    from meshpar.step import trainer
 
     lay = Layout.create("batch:data; hidden:model", SIZES)
     build_model = functools.partial(MODELS["mlp"].build, MLPConfig(hidden=(101,)), {"inputs": ((784,), np.float32)})

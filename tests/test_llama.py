@@ -22,10 +22,11 @@ from meshpar.configuration.config import ConfigError
 from meshpar.models import MODELS
 from meshpar.models.llama import LlamaConfig, build, flops_per_token, layout_rules, num_params
 from meshpar.plan import __main__ as plan_cli
-from meshpar.run import experiment, loop, parts, trainer
-from meshpar.run.inputs import batch_shardings
+from meshpar.run import experiment, loop
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import parts, trainer
+from meshpar.step.inputs import batch_shardings
 
 VOCAB = {"batch", "length", "embed", "heads", "kv_heads", "kv", "d_ff", "vocab", "layers"}
 LENGTH, BATCH, V = 32, 8, 256

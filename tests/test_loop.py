@@ -14,9 +14,10 @@ import jax
 import numpy as np
 import pytest
 
+from meshpar.backend import compile_cache
 from meshpar.configuration import config, errors
 from meshpar.processes import stop
-from meshpar.run import compile_cache, experiment, loop
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
 
 STEPS, EVAL_EVERY, SAVE_EVERY = 12, 5, 4

@@ -11,7 +11,8 @@ from meshpar.configuration.config import ConfigError
 from meshpar.plan import topology
 from meshpar.plan.time import timing
 from meshpar.processes import stop
-from meshpar.run import aot, experiment, parts, trainer
+from meshpar.run import experiment
+from meshpar.step import aot, parts, trainer
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
 TINY = [

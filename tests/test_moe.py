@@ -18,10 +18,10 @@ from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError
 from meshpar.models import llama, moe
 from meshpar.models.llama import LlamaConfig, build, flops_per_token, layout_rules, num_params
-from meshpar.run import parts, trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import parts, trainer
+from meshpar.step.inputs import batch_shardings
 
 LENGTH, BATCH, V = 16, 8, 64
 SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}

@@ -20,12 +20,12 @@ from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.models.llama import build, layout_rules
 from meshpar.plan import report
-from meshpar.run import parts, trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
 from meshpar.sharding import stages as pipeline
 from meshpar.sharding import tracing
+from meshpar.step import parts, trainer
+from meshpar.step.inputs import batch_shardings
 from tests.test_moe import SPEC, TINY, _batch, _one_line
 from tests.test_pipeline import RTOL
 

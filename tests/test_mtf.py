@@ -14,10 +14,11 @@ from jax.sharding import PartitionSpec as P
 from meshpar import train
 from meshpar.configuration import config as config_lib
 from meshpar.plan import __main__ as plan_cli
-from meshpar.run import aot, experiment, loop, parts
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import aot, parts
 
 # mesh_tensorflow/transformer utils.run's (and T5's MtfModel's) default layout_rules.
 MTF_DEFAULT = "ensemble:ensemble,batch:batch,d_ff:model,heads:model,vocab:model,experts:batch"

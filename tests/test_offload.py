@@ -20,9 +20,10 @@ import pytest
 from meshpar.configuration import config, errors
 from meshpar.configuration.config import ConfigError
 from meshpar.processes import stop
-from meshpar.run import experiment, loop, parts, trainer
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import offload
+from meshpar.step import parts, trainer
 
 # A small byte-level Transformer on the quickstart's data + model parallel layout (data:4,model:2).
 TINY = (
@@ -88,7 +89,7 @@ def test_optimizer_and_param_offload_train_bit_identically_with_state_in_pinned_
     settings = [BOTH] if extra else [("offload.optimizer=true",), ("offload.params=true",)]
     if "train.microbatches=2" in extra:
         # Offloaded parameters keep the reduction of each microbatch's gradients (jax cannot move
-        # host arrays in the partially manual region that reduces once: meshpar.run.trainer.reduced_once);
+        # host arrays in the partially manual region that reduces once: meshpar.step.trainer.reduced_once);
         # that is the same training to float reassociation, and bit for bit the program offload changes.
         once = reference
         reference, _ = _steps(base, (*extra, "plan.check=false"), reduce_each=True)

@@ -22,8 +22,8 @@ from meshpar.plan import topology
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.search import candidates, estimates
 from meshpar.plan.search import options as options_lib
-from meshpar.run import inputs, parts, throughput
 from meshpar.run.metrics import read_jsonl
+from meshpar.step import inputs, parts, throughput
 
 NAME = "tests.test_outside_family:FAMILY"  # imported from the working directory, the repository root
 

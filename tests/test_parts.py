@@ -1,4 +1,4 @@
-"""meshpar.run.parts: the one builder of a config's parts, over this host's devices or given ones."""
+"""meshpar.step.parts: the one builder of a config's parts, over this host's devices or given ones."""
 
 import re
 
@@ -7,7 +7,8 @@ import pytest
 
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError
-from meshpar.run import experiment, parts
+from meshpar.run import experiment
+from meshpar.step import parts
 
 TINY = {
     "mesh": "data:2,model:2",

@@ -21,11 +21,11 @@ from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.models import llama, transformer
 from meshpar.plan.time import timing
-from meshpar.run import parts
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout, tracing
 from meshpar.sharding import stages as pipeline
 from meshpar.sharding.mesh import build_mesh
+from meshpar.step import parts
 from tests.support import script
 
 kr = script("train_runs")  # the run helpers scripts/kill_resume.py uses: a final state read back

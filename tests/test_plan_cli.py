@@ -11,8 +11,8 @@ import yaml
 from meshpar.configuration import config as config_lib
 from meshpar.plan import cost
 from meshpar.plan import report as report_lib
-from meshpar.run import aot
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import aot
 
 TINY = """
 mesh: data:4,model:2

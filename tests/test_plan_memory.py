@@ -13,7 +13,8 @@ from meshpar.jax_compat import saved_residuals
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.memory import gathers, gradients, residuals, trace
 from meshpar.plan.time import gemm
-from meshpar.run import aot, experiment, parts
+from meshpar.run import experiment
+from meshpar.step import aot, parts
 
 TINY_TRANSFORMER = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -336,7 +337,7 @@ def test_residuals_die_in_reverse_order_as_the_gradients_are_produced(overrides)
 
 
 def test_an_update_holds_what_it_shares_with_the_gradient_norm():
-    from meshpar.run import trainer
+    from meshpar.step import trainer
 
     def copies(name):
         cfg = config.load("experiments/mlp_data_parallel.yaml", [f"optimizer.name={name}"])

@@ -19,7 +19,7 @@ from meshpar.plan.memory import analytic as memory
 from meshpar.plan.memory import trace
 from meshpar.plan.search import layouts
 from meshpar.plan.time import reshards, timing
-from meshpar.run import aot, parts
+from meshpar.step import aot, parts
 
 MOE = "experiments/moe_tiny.yaml"
 SMALL = ["data.max_bytes=200000", "train.progress=false"]

@@ -21,8 +21,9 @@ from meshpar.plan import cost, preflight, topology
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.out_of_core import offload_cost, offload_plan
 from meshpar.plan.search import candidates
-from meshpar.run import aot, experiment, loop, parts
+from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
+from meshpar.step import aot, parts
 
 QUICKSTART = "experiments/quickstart.yaml"
 OFFLOAD = pathlib.Path("experiments/offload.yaml")

@@ -14,7 +14,7 @@ from meshpar.plan.memory import stage_axis as stages
 from meshpar.plan.memory import trace
 from meshpar.plan.search import candidates, estimates
 from meshpar.plan.search import options as options_lib
-from meshpar.run import aot, parts
+from meshpar.step import aot, parts
 
 CONFIG = "experiments/transformer_pipeline.yaml"
 SMALL = ["train.progress=false", "model.d_model=64", "model.n_heads=2", "model.d_head=32", "model.d_ff=128",

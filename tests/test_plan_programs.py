@@ -10,7 +10,7 @@ from input_pipeline.feeding import RoutedFeeder
 from meshpar.configuration import config
 from meshpar.plan import programs
 from meshpar.plan import report as report_lib
-from meshpar.run import parts
+from meshpar.step import parts
 
 TINY = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",

@@ -21,7 +21,7 @@ from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import report as report_lib
 from meshpar.plan import topology
 from meshpar.plan.out_of_core import offload_cost
-from meshpar.run import parts
+from meshpar.step import parts
 
 EXPERIMENTS = sorted(pathlib.Path(p).stem for p in glob.glob("experiments/*.yaml"))
 DOES_NOT_FIT = {"does_not_fit"}  # shows a refusal: its plan does not fit by design

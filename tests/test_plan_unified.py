@@ -9,13 +9,14 @@ import json
 
 import pytest
 
+from meshpar.backend import allocator
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.plan import __main__ as plan_cli
 from meshpar.plan import cost, report, topology
 from meshpar.plan.out_of_core import comparison as out_of_core
 from meshpar.plan.out_of_core import offload_cost, unified
-from meshpar.run import parts
+from meshpar.step import parts
 
 QUICKSTART = "experiments/quickstart.yaml"
 MIB = 1 << 20
@@ -154,10 +155,10 @@ def test_capacity_under_unified_memory_follows_the_allocator_and_the_environment
     c = cost.machine_capacity(cfg, h100)
     assert c.bytes == 2 * h100.memory_bytes and c.device_bytes == h100.memory_bytes
     # A fraction the user set wins, and under unified memory XLA takes at least the whole device.
-    assert cost.allocator_fraction({"XLA_CLIENT_MEM_FRACTION": "3"}, 2.0)[0] == 3.0
-    assert cost.allocator_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, 2.0)[0] == 1.0
+    assert allocator.allocator_fraction({"XLA_CLIENT_MEM_FRACTION": "3"}, 2.0)[0] == 3.0
+    assert allocator.allocator_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, 2.0)[0] == 1.0
     with pytest.raises(ConfigError, match="XLA_CLIENT_MEM_FRACTION"):
-        cost.allocator_fraction({"XLA_CLIENT_MEM_FRACTION": "3"})  # above 1 without unified memory
+        allocator.allocator_fraction({"XLA_CLIENT_MEM_FRACTION": "3"})  # above 1 without unified memory
     # The backend's limit on a GPU is the device × the fraction in effect.
     gpu = cost.capacity_from([{"bytes_limit": 3 * (80 << 30)}], 0, "gpu", None, 3.0)
     assert gpu.device_bytes == 80 << 30 and gpu.usable_bytes > gpu.device_usable_bytes

@@ -16,10 +16,10 @@ from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError, OptimizerConfig
 from meshpar.models import mlp, transformer
 from meshpar.processes import stop
-from meshpar.run import throughput, trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import throughput, trainer
+from meshpar.step.inputs import batch_shardings
 
 BATCH, LENGTH = 8, 16
 FAMILIES = {

@@ -143,7 +143,7 @@ def test_a_resumed_state_runs_on_the_compiled_step(tmp_path, lowerings):
 def test_fsdp_dims_cover_every_weight_once_along_its_embed_like_dim():
     def params(cfg_path, *overrides):
         cfg = config.load(cfg_path, list(overrides))
-        from meshpar.run import parts
+        from meshpar.step import parts
 
         return candidates.param_dims(parts.abstract_step(cfg).plan.abstract.params)
 
@@ -184,7 +184,7 @@ def test_xla_figures_that_do_not_fit_are_refused_after_the_compile(tmp_path, low
 
 
 def test_fsdp_takes_the_familys_dims_and_never_a_second_dim_on_an_axis():
-    from meshpar.run import parts
+    from meshpar.step import parts
 
     cfg = config.load("experiments/transformer_fsdp.yaml", ["data.max_bytes=100000"])
     step = parts.abstract_step(cfg)

@@ -1,4 +1,4 @@
-"""meshpar.run.quiet: jax's CUDA plugin says nothing on a host without a GPU. The filter and the
+"""meshpar.backend.quiet: jax's CUDA plugin says nothing on a host without a GPU. The filter and the
 decision as pure functions; the fd-2 capture on real writes; jax's plugins load without starting a
 backend (jax.distributed can still follow); and, where the gpu-plan extra is installed, meshpar's
 commands print nothing but their own words."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshpar.run import quiet
+from meshpar.backend import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,10 +16,10 @@ from flax import nnx
 from meshpar.configuration.config import OptimizerConfig
 from meshpar.models import decoder, mlp, remat, transformer
 from meshpar.processes import stop
-from meshpar.run import trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import trainer
+from meshpar.step.inputs import batch_shardings
 
 LENGTH, BATCH, STEPS = 32, 8, 3
 LM_SPEC = {"tokens": ((LENGTH + 1,), np.dtype(np.uint8))}  # byte windows, as the text source serves them

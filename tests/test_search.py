@@ -135,7 +135,7 @@ def test_the_family_says_what_a_model_split_costs():
 def test_layer_flops_are_the_traced_layers():
     from meshpar.models import MODELS
     from meshpar.plan.out_of_core import offload_plan
-    from meshpar.run import parts
+    from meshpar.step import parts
 
     cfg = config_lib.load("experiments/transformer_data_parallel.yaml", ["model.attention=xla"])
     step = parts.abstract_step(cfg)
@@ -176,7 +176,7 @@ def test_the_estimates_kernels_are_a_lower_bound_on_the_gpu_programs(microbatche
     # more, and as many more again with each further pass; remat's recomputed forward adds matmuls.
     from meshpar.plan import gpu_target
     from meshpar.plan.time import timing
-    from meshpar.run import parts
+    from meshpar.step import parts
 
     cfg = config_lib.load("experiments/quickstart.yaml", [f"train.microbatches={microbatches}"])
     topo = topology.load("h100-sxm-8")

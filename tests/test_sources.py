@@ -12,8 +12,9 @@ import pytest
 from meshpar import sources, train
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError, DataConfig
-from meshpar.run import inputs, loop, parts
+from meshpar.run import loop
 from meshpar.sources import Source
+from meshpar.step import inputs, parts
 
 BUILT_IN = ("synthetic", "tfds", "text", "tfds_text", "tokens")
 

@@ -245,7 +245,7 @@ def test_a_name_that_does_not_resolve_says_which_folder_was_looked_for(data_dir,
 
 def test_a_path_as_data_name_is_a_config_error_before_any_source_is_made(data_dir):
     from meshpar.configuration import config
-    from meshpar.run import inputs
+    from meshpar.step import inputs
 
     data = config.DataConfig(source="tfds", name="../../etc", data_dir=data_dir)
     for source in ("tfds", "tfds_text"):

@@ -7,8 +7,8 @@ import pytest
 
 from meshpar.models.mlp import MLPConfig
 from meshpar.models.transformer import TransformerConfig
-from meshpar.run import throughput
 from meshpar.sharding.mesh import build_mesh
+from meshpar.step import throughput
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import pytest
 from meshpar.configuration import config
 from meshpar.plan import topology
 from meshpar.plan.time import timing
-from meshpar.run import aot, parts
+from meshpar.step import aot, parts
 
 # A transformer small enough to compile in about a second.
 TINY = (

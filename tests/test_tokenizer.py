@@ -21,8 +21,8 @@ from input_pipeline.errors import DataError
 from input_pipeline.text import SEPARATOR, TextSource, from_tfds, tokenize_bytes
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError
-from meshpar.run import inputs, parts
 from meshpar.sources import text as text_source
+from meshpar.step import inputs, parts
 
 try:  # works whether or not tests/ is a package on sys.path
     from tests import tfds_fixtures as fx

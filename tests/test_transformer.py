@@ -13,10 +13,10 @@ from flax import nnx
 
 from meshpar.models.transformer import TransformerConfig, build, flops_per_token, num_params
 from meshpar.processes import stop
-from meshpar.run import trainer
-from meshpar.run.inputs import batch_shardings
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import trainer
+from meshpar.step.inputs import batch_shardings
 
 VOCAB = {"batch", "length", "embed", "heads", "kv", "d_ff", "vocab", "layers"}
 LENGTH, BATCH = 32, 8

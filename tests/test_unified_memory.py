@@ -1,4 +1,4 @@
-"""meshpar.sharding.unified_memory: the environment offload.unified_memory needs, decided from the config
+"""meshpar.backend.unified_memory: the environment offload.unified_memory needs, decided from the config
 and an environment passed in; the after-start check; the refusal on a host without a CUDA GPU.
 What the variables do on a GPU is the device check's (scripts/device_check.sh)."""
 
@@ -14,11 +14,10 @@ import pytest
 from jax.sharding import Mesh
 
 from meshpar import jax_compat
+from meshpar.backend import quiet, unified_memory
+from meshpar.backend.allocator import FRACTION_VARIABLES
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import ConfigError, OffloadConfig
-from meshpar.plan.cost import FRACTION_VARIABLES
-from meshpar.run import quiet
-from meshpar.sharding import unified_memory
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -204,7 +203,7 @@ def _cfg(*overrides):
 def test_set_up_writes_the_variables_and_says_so(monkeypatch, capsys, cuda_platform, clean_environment):
     monkeypatch.setattr(quiet, "cuda_plugin_installed", lambda: True)
     monkeypatch.setattr(jax_compat, "backends_started", lambda: False)
-    env = unified_memory.set_up(_cfg("offload.unified_memory=true", "offload.oversubscription=2"))
+    env = unified_memory.set_up(_cfg("offload.unified_memory=true", "offload.oversubscription=2").offload)
     assert {k: os.environ.get(k) for k in DEFAULTS} == {**DEFAULTS, NEW: "2"} and env.fraction == 2.0
     assert capsys.readouterr().err == "\n".join(env.lines) + "\n"
 
@@ -214,7 +213,7 @@ def test_set_up_after_the_backend_started_still_sets_and_says_it_is_late(
 ):
     monkeypatch.setattr(quiet, "cuda_plugin_installed", lambda: True)
     monkeypatch.setattr(jax_compat, "backends_started", lambda: True)
-    unified_memory.set_up(_cfg("offload.unified_memory=true"))
+    unified_memory.set_up(_cfg("offload.unified_memory=true").offload)
     assert os.environ["TF_FORCE_UNIFIED_MEMORY"] == "1"
     assert capsys.readouterr().err.splitlines()[-1].startswith("unified memory: jax's backend had started")
 
@@ -225,8 +224,8 @@ def test_set_up_takes_jax_platforms_from_jax_config(monkeypatch, clean_environme
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     monkeypatch.setattr(quiet, "cuda_plugin_installed", lambda: True)
     with pytest.raises(ConfigError, match="JAX_PLATFORMS=cpu starts jax's cpu backend"):
-        unified_memory.set_up(_cfg("offload.unified_memory=true"))
-    assert unified_memory.set_up(_cfg()) is None
+        unified_memory.set_up(_cfg("offload.unified_memory=true").offload)
+    assert unified_memory.set_up(_cfg().offload) is None
 
 
 def test_backends_started_tells_before_from_after():
@@ -337,7 +336,7 @@ def test_the_cli_refuses_unified_memory_without_a_cuda_gpu(env, tmp_path, platfo
         pytest.skip("a CUDA driver loads on this host")
     env = dict(env)
     why = "JAX_PLATFORMS=cpu starts jax's cpu backend"
-    if platforms is None:  # jax's choice: cpu without the plugin; with it, meshpar.run.quiet sets cpu (no driver)
+    if platforms is None:  # jax's choice: cpu without the plugin; with it, meshpar.backend.quiet sets cpu (no driver)
         env.pop("JAX_PLATFORMS", None)
         if not quiet.cuda_plugin_installed():
             why = "no jax CUDA plugin is installed (jax[cuda12]): this process runs on cpu"

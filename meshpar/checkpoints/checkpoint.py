@@ -35,7 +35,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,9 +44,6 @@ from meshpar import jax_compat
 from meshpar.checkpoints import integrity
 from meshpar.configuration.config import ConfigError
 from meshpar.configuration.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from meshpar.run.trainer import StatePlan
 
 __all__ = ["CheckpointError", "Checkpointer", "Codec", "Restored"]
 
@@ -170,7 +167,7 @@ class Codec:
     ``to_saved`` (state → saved state) and ``from_saved`` (its inverse, applied by ``restore``;
     it may donate its argument) keep the tree's structure, and each leaf's shape, dtype and
     sharding: they move values (a pipeline's layers between its stored and the canonical order,
-    :meth:`meshpar.run.trainer.StatePlan.canonical` / ``.stored``). ``digest_program``: the
+    :meth:`meshpar.step.trainer.StatePlan.canonical` / ``.stored``). ``digest_program``: the
     checkpoint digest program compiled ahead of time for the saved state's leaves
     (:func:`meshpar.checkpoints.integrity.digest_program`, by the memory pre-flight:
     :mod:`meshpar.plan.programs`); None = compile it at the first save.
@@ -181,7 +178,7 @@ class Codec:
     digest_program: Any = None
 
     @classmethod
-    def of_plan(cls, plan: StatePlan, digest_program: Any = None) -> Codec:
+    def of_plan(cls, plan: Any, digest_program: Any = None) -> Codec:  # plan: a step.trainer.StatePlan
         """The codec of a run whose state `plan` describes: its layers saved in the canonical
         order, restored into the order `plan` stores (the identity both ways without a circular
         pipeline)."""

@@ -52,6 +52,7 @@ import sys
 from rich.console import Console
 
 from meshpar import models
+from meshpar.backend import compile_cache
 from meshpar.configuration import config as config_lib
 from meshpar.configuration import errors
 from meshpar.configuration.config import ConfigError
@@ -62,7 +63,7 @@ from meshpar.plan.out_of_core import offload_cost
 from meshpar.plan.search import layouts as search_lib
 from meshpar.plan.search import search_report
 from meshpar.plan.time import feed_time, time_report, timing
-from meshpar.run import compile_cache, parts
+from meshpar.step import parts
 
 
 def _topology(cfg, name: str):

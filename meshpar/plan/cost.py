@@ -16,7 +16,7 @@ compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call thes
   divided by the simulated devices, which share it. ``hardware.memory_gib``, when set, is the
   capacity of a smaller device planned for (never above the backend's limit: a smaller device
   can be planned for, not a larger one).
-* *allocator fraction* (:func:`allocator_fraction`): XLA's GPU allocator preallocates a share
+* *allocator fraction* (:func:`meshpar.backend.allocator.allocator_fraction`): XLA's GPU allocator preallocates a share
   of the device and never grows past it — ``XLA_CLIENT_MEM_FRACTION``, or its older name
   ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 when neither is set. 1 on CPU (no allocator cap).
 * *headroom*: :data:`HEADROOM_FRACTION` of the capacity kept free. Neither the analytic model
@@ -53,15 +53,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from meshpar.backend.allocator import allocator_fraction
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan.time import feed_time
-from meshpar.run import inputs
+from meshpar.step import inputs
 
 GIB = 1 << 30
 HEADROOM_FRACTION = 0.05
-# XLA's GPU allocator fraction: the variable's names, newest first, and its default.
-FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
-DEFAULT_FRACTION = 0.75
 
 # ---------------------------------------------------------------------------------------------
 # Capacity
@@ -95,37 +93,6 @@ class Capacity:
         """Bytes of a plan needing `need` that unified memory pages to host memory: what does
         not fit the device's own memory (0 without unified memory)."""
         return max(need - self.device_usable_bytes, 0) if self.device_bytes else 0
-
-
-def allocator_fraction(
-    environ: Mapping[str, str] | None = None, oversubscription: float | None = None
-) -> tuple[float, str]:
-    """XLA's GPU allocator fraction and where it came from (see the module docstring). A value
-    that is not a number in (0, 1] is a ConfigError on the variable.
-
-    `oversubscription`: the config's under unified memory (``offload.unified_memory``), where a
-    variable set in the environment still wins (:mod:`meshpar.sharding.unified_memory`), any number
-    above 0 is allowed, and the allocator takes ``max(1, fraction)`` of the device (XLA's BFC
-    allocator under ``TF_FORCE_UNIFIED_MEMORY``)."""
-    environ = os.environ if environ is None else environ
-    unified = oversubscription is not None
-    for name in FRACTION_VARIABLES:
-        text = environ.get(name)
-        if not text:  # jaxlib reads an empty one as unset
-            continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if unified and 0 < value < math.inf:
-            return max(value, 1.0), f"{name}={text}, unified memory"
-        if not (0 < value < math.inf and (unified or value <= 1)):
-            allowed = "a number above 0" if unified else "a number in (0, 1]"
-            raise ConfigError(name, f"is {text!r}: XLA's allocator fraction is {allowed}")
-        return value, f"{name}={text}"
-    if unified:
-        return max(oversubscription, 1.0), f"offload.oversubscription={oversubscription:g}"
-    return DEFAULT_FRACTION, f"{DEFAULT_FRACTION:g} by default"
 
 
 def oversubscription(cfg: Config) -> float | None:

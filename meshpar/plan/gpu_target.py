@@ -31,9 +31,9 @@ import re
 
 import jax
 
+from meshpar.backend import quiet
 from meshpar.configuration.config import ConfigError
 from meshpar.plan.topology import KEY, Topology
-from meshpar.run import quiet
 from meshpar.sharding import mesh as mesh_lib
 
 INSTALL = "pip install -e '.[gpu-plan]'"
@@ -123,7 +123,7 @@ def devices(topo: Topology) -> tuple:
 @functools.cache
 def _devices(name: str, text: str, shape: str) -> tuple:
     """The compile-only devices of one target description and shape, made once per process.
-    Compile for them under :func:`meshpar.run.compile_cache.suspended`: a compile-only client cannot
+    Compile for them under :func:`meshpar.backend.compile_cache.suspended`: a compile-only client cannot
     load back the executables jax's persistent cache would hand it."""
     try:
         with quiet.native_stderr_filtered():

@@ -33,7 +33,7 @@ from meshpar.plan.memory import analytic as memory
 from meshpar.plan.report import fmt_bytes
 from meshpar.plan.search import candidates as candidates_lib
 from meshpar.processes import distributed
-from meshpar.run import parts
+from meshpar.step import parts
 
 # How long a process waits for the others' figures (they may still be reading their data).
 AGREE_TIMEOUT_S = 600

@@ -15,7 +15,7 @@ temp − alias of ``memory_analysis()``) plus what is resident outside it at tha
   before a save (:mod:`meshpar.checkpoints.integrity`): the whole state is its argument; its temporaries
   are the arrays' bits. The prefetched train batches stay resident.
 
-XLA's figures are device bytes (:func:`meshpar.run.aot.memory`): with host offload, the arguments
+XLA's figures are device bytes (:func:`meshpar.step.aot.memory`): with host offload, the arguments
 and outputs in ``pinned_host`` memory are taken out of them — by XLA itself where the backend
 honours memory kinds, else (CPU) from their shardings.
 
@@ -34,8 +34,8 @@ from meshpar.checkpoints import integrity
 from meshpar.configuration.config import Config
 from meshpar.plan import cost
 from meshpar.plan.time import feed_time
-from meshpar.run import aot, parts, trainer
 from meshpar.sharding import offload
+from meshpar.step import aot, parts, trainer
 
 
 @dataclasses.dataclass(frozen=True)

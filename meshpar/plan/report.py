@@ -14,7 +14,7 @@ analytic categories:
 With host offload the device figures leave out what lives in pinned host memory, and a host
 row sets the analytic host column (:mod:`meshpar.plan.memory.analytic`) beside XLA's host bytes — XLA's
 own ``host_*`` fields on GPU; on CPU, which reports none, the offloaded state's shard bytes
-(:func:`meshpar.run.aot.memory`), as the table says.
+(:func:`meshpar.step.aot.memory`), as the table says.
 
 The run executes other programs too (the eval step, the checkpoint digest), each with its own
 peak and with other buffers resident beside it (:mod:`meshpar.plan.programs`). What the plan
@@ -32,8 +32,8 @@ from meshpar.configuration.config import Config
 from meshpar.plan import cost
 from meshpar.plan import programs as programs_lib
 from meshpar.plan.memory import analytic as memory
-from meshpar.run import aot, parts
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import aot, parts
 
 # Analytic categories beside the XLA figure they are part of (see the module docstring).
 GROUPS = (
@@ -45,7 +45,7 @@ GROUPS = (
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A config's plan: mesh, analytic breakdown (None, with the reason, when there is none),
-    XLA's per-device figures (:func:`meshpar.run.aot.memory`) and the device capacity."""
+    XLA's per-device figures (:func:`meshpar.step.aot.memory`) and the device capacity."""
 
     mesh: str
     devices: str
@@ -229,7 +229,7 @@ def host_rows(t, analytic, xla: dict) -> None:
     """Host offload: the analytic host column and XLA's host figure, below the device total.
     XLA:CPU reports no host bytes (it ignores memory kinds inside a computation), so there the
     figure is the ``pinned_host`` arguments' and outputs' shard bytes, taken out of XLA's
-    device figures above (:func:`meshpar.run.aot.memory`)."""
+    device figures above (:func:`meshpar.step.aot.memory`)."""
     host = {} if analytic is None else analytic.host
     if not host and not xla.get("host_total_bytes"):
         return

@@ -14,9 +14,9 @@ from flax import nnx
 
 from meshpar import jaxprs
 from meshpar.configuration.config import Config
-from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import tracing
+from meshpar.step import parts
 
 
 def platform(step: parts.AbstractStep) -> str:

@@ -1,2 +1,3 @@
-"""The run: a config built into its parts (mesh, layout, state plan, jitted steps), the train
-loop, its inputs and outputs, ahead-of-time compilation, and generation."""
+"""Running an experiment: a built step given data and state (fresh, from ``checkpoint.init_from``,
+resumed, or imported from Hugging Face), the train loop, its metrics and profiles, and
+generation. Above the planner, whose verdict it obeys."""

@@ -39,15 +39,15 @@ from flax import nnx
 
 from input_pipeline import tokenizer as tokenizer_lib
 from meshpar import models
-from meshpar.checkpoints import init_from
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError, DataConfig
 from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import load as hf_load
 from meshpar.hf import model_config as hf_config
-from meshpar.run import inputs as inputs_lib
-from meshpar.run import parts, trainer
+from meshpar.run import init_from
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import inputs as inputs_lib
+from meshpar.step import parts, trainer
 
 SLOTS = "slots"  # the cache's positions: the logical dim a layout's `length` rule splits during generation
 EOS_CHECK_EVERY = 16  # decode steps between checks of whether every row has ended (a host sync each)

@@ -15,15 +15,16 @@ import jax
 
 from input_pipeline.errors import DataError
 from meshpar import models
-from meshpar.checkpoints import init_from, rundir
-from meshpar.checkpoints import resume as resume_lib
+from meshpar.backend import compile_cache, unified_memory
+from meshpar.checkpoints import rundir
 from meshpar.checkpoints.checkpoint import Checkpointer, Codec
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import preflight
-from meshpar.run import compile_cache, parts, throughput, trainer
-from meshpar.run import inputs as inputs_lib
+from meshpar.run import init_from
+from meshpar.run import resume as resume_lib
 from meshpar.sharding import layout as layout_lib
-from meshpar.sharding import unified_memory
+from meshpar.step import inputs as inputs_lib
+from meshpar.step import parts, throughput, trainer
 
 
 @dataclasses.dataclass
@@ -79,8 +80,8 @@ def build(cfg: Config) -> Experiment:
     compiling it again. Resuming a run whose schedule horizon differs from this config's
     (``--resume train.steps=<more>``) builds the step for the restored horizon: that one
     compiles at its first call. With ``offload.unified_memory`` the variables it needs are set
-    before jax's backend starts, and checked once it has (:mod:`meshpar.sharding.unified_memory`)."""
-    env = unified_memory.set_up(cfg)  # before jax's backend starts (make_mesh starts it)
+    before jax's backend starts, and checked once it has (:mod:`meshpar.backend.unified_memory`)."""
+    env = unified_memory.set_up(cfg.offload)  # before jax's backend starts (make_mesh starts it)
     compile_cache.configure(cfg.compile_cache)  # before the first compilation
     mesh = parts.make_mesh(cfg)
     if env is not None:

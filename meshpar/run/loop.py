@@ -49,15 +49,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshpar import sources
 from meshpar.checkpoints.checkpoint import Checkpointer, CheckpointError
-from meshpar.checkpoints.resume import position
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.errors import DataError, OutputError, TrainingError
 from meshpar.processes.stop import Interrupted, StopSignals
-from meshpar.run import throughput
 from meshpar.run.experiment import Experiment
 from meshpar.run.metrics import MetricsWriter, RunStats, write_summary
 from meshpar.run.profiler import StepTrace
+from meshpar.run.resume import position
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import throughput
 
 
 def rates(exp: Experiment, seconds_per_step: float, prefix: str = "") -> dict[str, float]:

@@ -15,7 +15,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 from meshpar.configuration import config
 from meshpar.hf import load
-from meshpar.run import parts
+from meshpar.step import parts
 import numpy as np
 cfg = config.from_dict(json.loads(sys.argv[2]))
 step = parts.abstract_step(cfg, element_spec={"tokens": ((17,), np.dtype(np.int32))})

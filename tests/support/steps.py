@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from meshpar.configuration import config
-from meshpar.run import parts
+from meshpar.step import parts
 
 _STEPS: dict[str, parts.AbstractStep] = {}
 

@@ -268,9 +268,9 @@ from meshpar import models
 from meshpar.configuration.config import Config
 from meshpar.plan.memory import gathers, gradients, phases, pipelined, trace, train_state
 from meshpar.plan.out_of_core import offload_plan
-from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import offload
+from meshpar.step import parts
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs", "relay_inputs")
 HOST_EXACT = frozenset({"params", "optimizer", "activations"})  # host offload's column (see above)

@@ -15,7 +15,7 @@ from flax import nnx
 from meshpar import models
 from meshpar.configuration.config import Config
 from meshpar.plan import shapes
-from meshpar.run import parts
+from meshpar.step import parts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from meshpar import jaxprs
 from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.plan.memory import residuals
-from meshpar.run import parts, trainer
+from meshpar.step import parts, trainer
 
 
 def _unary_of_first(fn, *avals) -> set:
@@ -149,7 +149,7 @@ def update_phase(cfg: Config, step: parts.AbstractStep, uses: dict, rolled: bool
     its layer's gradients: each at its compute shard, and its reduced copy (:func:`_reduced`);
     `dtypes`: parameter leaf -> the dtype the forward casts it to (the layer's gradient's).
     `local`: the batch axes gradient accumulation sums over on each device, reducing the running
-    sum once, in place, after the last microbatch (:func:`meshpar.run.trainer.reduced_once`): no
+    sum once, in place, after the last microbatch (:func:`meshpar.step.trainer.reduced_once`): no
     gradient is summed over them during the step, and no summed copy is held."""
     plan, (_, batch, _) = step.plan, step.args
     batch_axes = set()

@@ -20,7 +20,7 @@ from meshpar.plan import shapes
 from meshpar.plan.memory import backward as backward_phase
 from meshpar.plan.memory import gathers, gradients, residuals, trace, train_state
 from meshpar.plan.time import gemm
-from meshpar.run import parts, trainer
+from meshpar.step import parts, trainer
 
 
 def transient(cfg: Config, step: parts.AbstractStep, traced: trace.Traced, remat: str) -> int:

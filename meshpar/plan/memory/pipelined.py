@@ -24,7 +24,7 @@ from meshpar.plan.memory import backward as backward_phase
 from meshpar.plan.memory import gradients, residuals, trace, train_state
 from meshpar.plan.memory import stage_axis as stages
 from meshpar.plan.time import gemm
-from meshpar.run import parts, throughput
+from meshpar.step import parts, throughput
 
 
 def cpu_categories(cfg: Config, step: parts.AbstractStep, sched, state: train_state.State) -> dict[str, int]:

@@ -18,7 +18,7 @@ from meshpar import models
 from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.plan.memory import residuals
-from meshpar.run import parts, trainer
+from meshpar.step import parts, trainer
 
 
 def local_loss(

@@ -1,7 +1,7 @@
 """The exactly known part of the memory plan: the train state's bytes per device, where host
 offload puts them (device or pinned host memory), and the batches'.
 
-Each figure is read from the abstract train state and its shardings (:mod:`meshpar.run.parts`);
+Each figure is read from the abstract train state and its shardings (:mod:`meshpar.step.parts`);
 what each category holds is in :mod:`meshpar.plan.memory.analytic`'s docstring.
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from meshpar.configuration.config import Config
 from meshpar.plan import cost, programs
 from meshpar.plan.out_of_core import offload_plan
-from meshpar.run import aot, parts
+from meshpar.step import aot, parts
 
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshpar.backend import allocator
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config
 from meshpar.plan import cost as cost_lib
 from meshpar.plan.out_of_core import offload_cost
 from meshpar.plan.report import fmt_bytes
 from meshpar.plan.time.time_report import fmt_seconds
-from meshpar.run import parts
+from meshpar.step import parts
 
 # Global batch sizes compared when none are given: the config's times these.
 BATCH_FACTORS = (1, 4, 16, 64)
@@ -58,7 +59,7 @@ def compare(cfg: Config, topo, batch_sizes, mesh=None, with_reference: bool = Tr
         skipped.append(f"unified memory: needs a CUDA GPU, and {topo.name} has none")
         over, device = 1.0, capacity.usable_bytes
     else:
-        over = cost_lib.allocator_fraction(oversubscription=unified_cfg.offload.oversubscription)[0]
+        over = allocator.allocator_fraction(oversubscription=unified_cfg.offload.oversubscription)[0]
         device = cost_lib.machine_capacity(unified_cfg, topo).device_usable_bytes
     sweep = offload_cost.sweep(cfg, topo, batch_sizes, overlap, with_reference, mesh=mesh, skipped=skipped)
     return Comparison(topo, sweep, capacity.usable_bytes, device, over,

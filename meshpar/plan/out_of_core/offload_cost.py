@@ -61,8 +61,8 @@ from meshpar.plan.memory import analytic as memory
 from meshpar.plan.out_of_core import offload_plan, unified
 from meshpar.plan.search import candidates as candidates_lib
 from meshpar.plan.time import timing
-from meshpar.run import parts, throughput
 from meshpar.sharding import offload
+from meshpar.step import parts, throughput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,8 @@ from flax import nnx
 from meshpar import jaxprs, models
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import shapes
-from meshpar.run import aot, parts, trainer
 from meshpar.sharding import offload
+from meshpar.step import aot, parts, trainer
 
 # offload.activations → the checkpoint_name tags whose values are saved in host memory (every
 # other value of the layer is recomputed in the backward pass), for the built-in families; any

@@ -2,7 +2,7 @@
 model after the 2019 out-of-core training study's, beside explicit swapping
 (:mod:`meshpar.plan.out_of_core.offload_cost`).
 
-**The mechanism** (``offload.unified_memory``, :mod:`meshpar.sharding.unified_memory`). XLA's allocator
+**The mechanism** (``offload.unified_memory``, :mod:`meshpar.backend.unified_memory`). XLA's allocator
 hands out managed memory, up to ``oversubscription`` × the device's. The CUDA driver keeps a
 page in device memory while there is room; when a kernel touches a page that lives in host
 memory it faults, and the driver migrates the page in (2 MiB pages on the GPUs here) after

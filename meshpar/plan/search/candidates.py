@@ -60,10 +60,10 @@ from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import cost
 from meshpar.plan.memory import analytic as memory
-from meshpar.run import inputs as inputs_lib
-from meshpar.run import parts, trainer
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import inputs as inputs_lib
+from meshpar.step import parts, trainer
 
 # A change that does not apply: the errors building its config and its plan may raise.
 ILLEGAL = (ConfigError, layout_lib.LayoutError, mesh_lib.MeshError, DataError)

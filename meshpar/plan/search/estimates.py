@@ -23,7 +23,7 @@ from meshpar.plan.out_of_core import offload_cost, offload_plan, unified
 from meshpar.plan.search import options as options_lib
 from meshpar.plan.search.candidates import MODEL_AXIS
 from meshpar.plan.time import reshards, timing
-from meshpar.run import parts, throughput, trainer
+from meshpar.step import parts, throughput, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def estimate(
     c = breakdown.categories
     # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
     # gradients summed over the batch axes no weight is split on are reduced once per step
-    # (meshpar.run.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
+    # (meshpar.step.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
     k = cfg.train.microbatches if sched is None else 1
     once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
     summed = 2 * train_state.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum

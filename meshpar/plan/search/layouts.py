@@ -38,7 +38,7 @@ mesh is the same) are one candidate: the config's own where it is one of them, e
 with fewer such empty rules and the batch off the ``model`` axis.
 
 **Legal.** The config is built with the choice and planned as a run plans it
-(:func:`meshpar.run.parts.abstract_step`): the batch must divide over its axes and into its
+(:func:`meshpar.step.parts.abstract_step`): the batch must divide over its axes and into its
 microbatches, every parameter's and activation's split dims must divide, and no tensor may
 have two dims on one axis. What fails is dropped, counted by the config key it fails on.
 
@@ -68,7 +68,7 @@ the device's own memory pays for its paging in its estimate (``paging_s``,
   reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
   and axis (XLA combines the small ones); with k microbatches of gradient accumulation the
   all-reduce once (each device sums its own rows' gradients over the microbatches:
-  :func:`meshpar.run.trainer.accumulate_locally`), FSDP's gathers and reduce-scatters k times;
+  :func:`meshpar.step.trainer.accumulate_locally`), FSDP's gathers and reduce-scatters k times;
 * activations — with the model dims split n ways, the all-reduces over the ``model`` axis
   the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
   Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
@@ -114,6 +114,7 @@ import jax
 
 from input_pipeline.errors import DataError
 from meshpar import models
+from meshpar.backend import compile_cache
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import cost, gpu_target
 from meshpar.plan.memory import analytic as memory
@@ -121,10 +122,10 @@ from meshpar.plan.report import fmt_bytes
 from meshpar.plan.search import candidates, estimates
 from meshpar.plan.search import options as options_lib
 from meshpar.plan.time import timing
-from meshpar.run import aot, compile_cache, parts, trainer
-from meshpar.run import inputs as inputs_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
+from meshpar.step import aot, parts, trainer
+from meshpar.step import inputs as inputs_lib
 
 MODEL_AXIS = candidates.MODEL_AXIS
 TOP_K = 5

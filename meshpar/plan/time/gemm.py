@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from meshpar import jaxprs
+from meshpar.backend import compile_cache, quiet
 from meshpar.plan import hlo
-from meshpar.run import compile_cache, parts, quiet
+from meshpar.step import parts
 
 
 def matmul_scratch(

@@ -25,8 +25,8 @@ import jax
 from meshpar import jaxprs
 from meshpar.configuration.config import Config
 from meshpar.plan.memory import trace
-from meshpar.run import parts
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import parts
 
 # Ops between two constraints that change neither a value's elements nor its placement.
 _THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "checkpoint_name", "name", "optimization_barrier"})

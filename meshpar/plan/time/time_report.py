@@ -7,7 +7,7 @@ from __future__ import annotations
 from meshpar import models
 from meshpar.plan.out_of_core import offload_cost
 from meshpar.plan.report import fmt_bytes
-from meshpar.run import throughput
+from meshpar.step import throughput
 
 
 def fmt_seconds(s: float) -> str:
@@ -20,7 +20,7 @@ def fmt_seconds(s: float) -> str:
 
 
 def model_rates(cfg, step, step_time, topology) -> dict:
-    """What the predicted step means for the model, as a run reports it (:mod:`meshpar.run.throughput`):
+    """What the predicted step means for the model, as a run reports it (:mod:`meshpar.step.throughput`):
     ``model_flops`` (the model's own FLOPs per device per step, the count MFU uses — not the
     compiled program's, which adds recomputation), ``tokens_per_s`` over every device, and ``mfu``
     against the machine's dense peak for the compute dtype (None without a peak). Without the

@@ -95,7 +95,7 @@ import numpy as np
 
 from meshpar.plan import cost, hlo
 from meshpar.plan.time import kernels
-from meshpar.run import throughput
+from meshpar.step import throughput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,7 +659,7 @@ def basis(topology) -> str:
 
 
 def predict(cfg, step, compiled, topology, feed_s: float = 0.0) -> StepTime:
-    """Predicted time of one train step of `cfg` (`step`: its :class:`meshpar.run.parts.AbstractStep`,
+    """Predicted time of one train step of `cfg` (`step`: its :class:`meshpar.step.parts.AbstractStep`,
     or anything with its ``mesh``; `compiled`: its compiled program or HLO text) on `topology`,
     with `feed_s` seconds to place one batch (see :mod:`meshpar.plan.time.feed_time`)."""
     module = hlo.parse(hlo.text(compiled))

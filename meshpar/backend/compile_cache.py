@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from meshpar.configuration.config import ConfigError
+from meshpar.configuration.schema import ConfigError
 
 DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 MIN_SECS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"

@@ -38,7 +38,7 @@ from meshpar.configuration.config import Config, ConfigError
 from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import load as hf_load
 from meshpar.hf import reader
-from meshpar.run import trainer
+from meshpar.step import trainer
 
 KEY = "checkpoint.init_from"
 # Model settings that choose how a model runs or trains, not what it computes from its parameters.
@@ -92,7 +92,7 @@ class SavedRun:
             ) from None
 
     def record(self) -> dict:
-        """The run record the step was saved with (:mod:`meshpar.checkpoints.resume`)."""
+        """The run record the step was saved with (:mod:`meshpar.run.resume`)."""
         return self._json("run")
 
     def digests(self) -> dict:
@@ -252,7 +252,7 @@ def load_params(source, plan: trainer.StatePlan) -> tuple[object, str]:
 
 def initial_state(cfg: Config, source, plan: trainer.StatePlan, tx) -> trainer.TrainState:
     """A fresh run's state with `source`'s parameters: step 0, ``tx.init`` of them and the random
-    key of a fresh run of this seed (:func:`meshpar.run.trainer.plan_state`), in the plan's shardings."""
+    key of a fresh run of this seed (:func:`meshpar.step.trainer.plan_state`), in the plan's shardings."""
     params, line = load_params(source, plan)
     if jax.process_index() == 0:
         print(line, file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from typing import Any
 from meshpar.checkpoints.checkpoint import Checkpointer, CheckpointError
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
-from meshpar.run import trainer
+from meshpar.step import parts, trainer
 
 # Keys a resumed run must keep; a name without a dot is a whole section.
 KEPT = ("train.seed", "train.batch_size", "model", "optimizer", "data")
@@ -42,21 +42,16 @@ def _kept(key: str) -> bool:
     return key not in MOVABLE and any(key == k or key.startswith(f"{k}.") for k in KEPT)
 
 
-def horizon(cfg: Config) -> int:
-    """The learning-rate schedule's steps for a run that starts fresh."""
-    return cfg.optimizer.decay_steps or cfg.train.steps
-
-
 def record(cfg: Config, inputs) -> dict:
     """This run's record, as its checkpoints will hold it (plain JSON values)."""
     values = {k: v for k, v in _flat(config_lib.to_dict(cfg)).items() if _kept(k)}
-    values["optimizer.decay_steps"] = horizon(cfg)
+    values["optimizer.decay_steps"] = parts.horizon(cfg)
     spec = {k: [list(shape), str(dtype)] for k, (shape, dtype) in inputs.element_spec.items()}
     values["data.train_examples"] = len(inputs.train.source)
-    if inputs.tokenizer_sha256:  # the file's content, not its path (meshpar.run.inputs.tokenizer_sha256)
+    if inputs.tokenizer_sha256:  # the file's content, not its path (meshpar.step.inputs.tokenizer_sha256)
         values["data.tokenizer_sha256"] = inputs.tokenizer_sha256
     values["data.element_spec"] = spec
-    return json.loads(json.dumps({"config": values, "decay_steps": horizon(cfg)}))  # tuples → lists, as saved
+    return json.loads(json.dumps({"config": values, "decay_steps": parts.horizon(cfg)}))  # tuples → lists, as saved
 
 
 def _allowed(key: str, allow: tuple[str, ...]) -> bool:

@@ -1,7 +1,7 @@
 """A config's parts: devices → mesh → layout → element spec → state plan → jitted train step.
 
 One builder for everything that needs them: :mod:`meshpar.run.experiment` runs them (with real
-inputs and state), :mod:`meshpar.run.aot` compiles them, the planner (:mod:`meshpar.plan`) reads
+inputs and state), :mod:`meshpar.step.aot` compiles them, the planner (:mod:`meshpar.plan`) reads
 them. Nothing here allocates: the state is its plan (shapes and shardings, from
 ``eval_shape``), the batch and the stop flags are ``ShapeDtypeStruct``s with the shardings a
 run gives them, so what :func:`abstract_step` lowers is exactly the program a run calls.
@@ -27,16 +27,16 @@ import jax
 import optax
 
 from meshpar import models
-from meshpar.checkpoints import resume
+from meshpar.backend import compile_cache
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.processes import distributed, stop
-from meshpar.run import compile_cache, trainer
-from meshpar.run import inputs as inputs_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
 from meshpar.sharding import offload as offload_lib
 from meshpar.sharding import stages as pipeline
+from meshpar.step import inputs as inputs_lib
+from meshpar.step import trainer
 
 
 @contextlib.contextmanager
@@ -46,6 +46,11 @@ def config_key(key: str, *errors: type[Exception]):
         yield
     except errors as e:
         raise ConfigError(key, str(e)) from None
+
+
+def horizon(cfg: Config) -> int:
+    """The learning-rate schedule's steps for a run that starts fresh."""
+    return cfg.optimizer.decay_steps or cfg.train.steps
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
@@ -204,7 +209,7 @@ class AbstractStep:
 
 
 def train_step(cfg: Config, mesh, layout, plan: trainer.StatePlan, tx, batch_shardings: dict):
-    """The jitted train step of these parts (:func:`meshpar.run.trainer.make_train_step`)."""
+    """The jitted train step of these parts (:func:`meshpar.step.trainer.make_train_step`)."""
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
         cfg.offload.activations, activation_names=offload_lib.activation_names(cfg.model.name, cfg.offload.activations),
@@ -221,7 +226,7 @@ def assemble(
     decay_steps: int,
 ) -> AbstractStep:
     """The state plan, the optimizer and the jitted train step on a mesh and layout built
-    already, with the batch's shardings (a run's, or :func:`meshpar.run.inputs.batch_shardings`)."""
+    already, with the batch's shardings (a run's, or :func:`meshpar.step.inputs.batch_shardings`)."""
     tx, plan = plan_model(cfg, mesh, layout, element_spec, decay_steps)
     step = train_step(cfg, mesh, layout, plan, tx, batch_shardings)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
@@ -246,4 +251,4 @@ def abstract_step(
     inputs_lib.check_vocab(cfg)  # as a run checks it, before the source is opened
     spec = element_spec if element_spec is not None else source_element_spec(cfg)
     batch_shardings = inputs_lib.batch_shardings(spec, layout, mesh)
-    return assemble(cfg, mesh, layout, spec, batch_shardings, resume.horizon(cfg))
+    return assemble(cfg, mesh, layout, spec, batch_shardings, horizon(cfg))

@@ -4,7 +4,7 @@ set before jax's backend starts, and a check, after it started, that it took eff
 **The mechanism.** jax reaches Unified Memory through XLA's GPU allocator, configured by
 environment variables: ``TF_FORCE_UNIFIED_MEMORY=1`` makes XLA's BFC allocator take managed
 memory, which the CUDA driver pages between the GPU and host memory on demand; the allocator
-fraction (:data:`meshpar.plan.cost.FRACTION_VARIABLES`, newest name first: jaxlib reads one
+fraction (:data:`meshpar.backend.allocator.FRACTION_VARIABLES`, newest name first: jaxlib reads one
 and refuses both) is how many times the device's memory it may take, max(1, fraction) under
 Unified Memory (``offload.oversubscription``); ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` lets it
 grow as the step needs instead of reserving all of that at start. Only the BFC allocator
@@ -16,7 +16,7 @@ grow as the step needs instead of reserving all of that at start. Only the BFC a
 :func:`set_up` is the first thing :func:`meshpar.run.experiment.build` does. Whether a CUDA backend
 will start is decided without starting one (that would read the variables too early): from
 ``JAX_PLATFORMS`` (its first platform must be ``cuda`` or ``gpu``) and whether jax's CUDA plugin
-is installed (:func:`meshpar.run.quiet.cuda_plugin_installed`; :mod:`meshpar.run.quiet` sets
+is installed (:func:`meshpar.backend.quiet.cuda_plugin_installed`; :mod:`meshpar.backend.quiet` sets
 ``JAX_PLATFORMS=cpu`` where the plugin is installed but no CUDA driver loads). Anywhere else
 the run is refused with one config error, before anything is written. Variables the user has
 set already win, and are reported with what they mean; those that would turn Unified Memory
@@ -43,11 +43,11 @@ from collections.abc import Mapping
 import jax
 
 from meshpar import jax_compat
-from meshpar.configuration.config import Config, ConfigError, OffloadConfig
-from meshpar.plan import cost
-from meshpar.plan.cost import FRACTION_VARIABLES, GIB
-from meshpar.run import quiet
+from meshpar.backend import quiet
+from meshpar.backend.allocator import FRACTION_VARIABLES, allocator_fraction
+from meshpar.configuration.schema import ConfigError
 
+GIB = 1 << 30
 KEY = "offload.unified_memory"
 FORCE = "TF_FORCE_UNIFIED_MEMORY"
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -89,7 +89,7 @@ def _fraction(environ: Mapping[str, str], oversubscription: float) -> tuple[floa
     given = [name for name in FRACTION_VARIABLES if environ.get(name)]  # jaxlib ignores an empty one
     if len(given) > 1:
         raise ConfigError(KEY, f"{' and '.join(given)} are both set, which jaxlib refuses: unset {given[-1]}")
-    fraction = cost.allocator_fraction(environ, oversubscription)[0]  # a value set checked there
+    fraction = allocator_fraction(environ, oversubscription)[0]  # a value set checked there
     if not given:
         return fraction, {FRACTION_VARIABLES[0]: f"{oversubscription:g}"}, {}, ""
     name, text = given[0], environ[given[0]]
@@ -105,7 +105,7 @@ def _fraction(environ: Mapping[str, str], oversubscription: float) -> tuple[floa
     return fraction, {}, {name: text}, meaning
 
 
-def environment(offload: OffloadConfig, environ: Mapping[str, str], cuda_plugin_installed: bool) -> Environment | None:
+def environment(offload, environ: Mapping[str, str], cuda_plugin_installed: bool) -> Environment | None:
     """The variables Unified Memory needs, given the variables in `environ` and whether jax's
     CUDA plugin is installed; None when ``offload.unified_memory`` is off. Pure: reads nothing
     else. A CUDA backend that will not start, or a variable that keeps Unified Memory from
@@ -163,8 +163,8 @@ def environment(offload: OffloadConfig, environ: Mapping[str, str], cuda_plugin_
     return Environment(sets, kept, fraction, tuple(lines))
 
 
-def set_up(cfg: Config) -> Environment | None:
-    """Set the variables Unified Memory needs in this process's environment, and say so on stderr
+def set_up(offload) -> Environment | None:
+    """Set the variables Unified Memory needs (`offload`: the config's ``offload`` section) in this process's environment, and say so on stderr
     (every process: which one is process 0 is known only once the backend has started); None
     when ``offload.unified_memory`` is off. Call it before jax's backend starts: where it has
     started already, the variables are set all the same, too late, and :func:`check` reports it.
@@ -172,7 +172,7 @@ def set_up(cfg: Config) -> Environment | None:
     environ = dict(os.environ)
     if jax.config.jax_platforms:
         environ["JAX_PLATFORMS"] = jax.config.jax_platforms
-    env = environment(cfg.offload, environ, quiet.cuda_plugin_installed())
+    env = environment(offload, environ, quiet.cuda_plugin_installed())
     if env is None:
         return None
     os.environ.update(env.sets)

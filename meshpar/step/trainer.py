@@ -109,7 +109,7 @@ class StatePlan:
     shardings: TrainState  # NamedShardings
     init: Callable[[], TrainState]
     # Every logical dim the model's tensors have, its parameters' and the activations' it
-    # constrains (filled by meshpar.run.parts.plan_model): what layout rules can apply to.
+    # constrains (filled by meshpar.step.parts.plan_model): what layout rules can apply to.
     dims: frozenset[str] = frozenset()
     # The pipeline the layout runs (a stage axis), or None; its layer order is the one `init`
     # stores (meshpar.sharding.stages.Reorder: checkpoints hold the canonical one).

@@ -1,6 +1,6 @@
 """A config's programs compiled ahead of time on abstract inputs, and what XLA says of them.
 
-The parts come from :mod:`meshpar.run.parts` (nothing allocated: the state is its plan, the batch
+The parts come from :mod:`meshpar.step.parts` (nothing allocated: the state is its plan, the batch
 and the stop flags ``ShapeDtypeStruct``s with the shardings a run gives them), so what XLA
 compiles here is exactly what :func:`meshpar.run.experiment.build` runs, and its
 ``memory_analysis()`` is the step's per-device memory (argument + output + temp − alias) before
@@ -15,8 +15,8 @@ import jax
 
 from meshpar import jax_compat
 from meshpar.configuration.config import Config
-from meshpar.run import parts, trainer
 from meshpar.sharding import offload
+from meshpar.step import parts, trainer
 
 # compiled.memory_analysis() fields reported per device, in bytes.
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")

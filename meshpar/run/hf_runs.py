@@ -2,7 +2,7 @@
 
 **from-hf** makes a run folder whose checkpoint is step 0 of the run a config describes: the
 parameters read from the Hugging Face folder into that run's shardings, fresh optimizer state
-and random key (:func:`meshpar.checkpoints.init_from.fresh_state`), the config's run record, input position
+and random key (:func:`meshpar.run.init_from.fresh_state`), the config's run record, input position
 0 — saved by :class:`meshpar.checkpoints.checkpoint.Checkpointer` into ``<workdir>/checkpoints``. So
 ``python -m meshpar.train --config X workdir=W --resume`` continues from it (with the same
 overrides: the record must match), and ``checkpoint.init_from: W`` starts other runs from its
@@ -26,16 +26,16 @@ import jax
 import numpy as np
 
 from meshpar import models
-from meshpar.checkpoints import init_from
-from meshpar.checkpoints import resume as resume_lib
 from meshpar.checkpoints.checkpoint import Checkpointer, Codec
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.configuration.errors import CheckpointError
 from meshpar.configuration.schema import build
 from meshpar.hf import export, files, names, writer
 from meshpar.hf import load as hf_load
-from meshpar.run import inputs as inputs_lib
-from meshpar.run import parts
+from meshpar.run import init_from
+from meshpar.run import resume as resume_lib
+from meshpar.step import inputs as inputs_lib
+from meshpar.step import parts
 
 
 @dataclasses.dataclass
