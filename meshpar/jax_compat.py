@@ -100,7 +100,7 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
 def load_jax_plugins() -> None:
     """Import jax and load its installed PJRT plugins (each ``jax_plugins`` module's
     ``initialize()``, which registers its platform) without starting a backend: what the first
-    ``jax.devices()`` does before it starts one. :mod:`meshpar.run.quiet` runs it with stderr captured,
+    ``jax.devices()`` does before it starts one. :mod:`meshpar.backend.quiet` runs it with stderr captured,
     since the CUDA plugin prints its noise as it loads; ``jax.distributed.initialize`` may still
     follow, as no backend has started. Idempotent: jax loads its plugins once per process.
 
@@ -115,7 +115,7 @@ def load_jax_plugins() -> None:
 def backends_started() -> bool:
     """Whether jax has started its backends (the first ``jax.devices()``, ``jax.jit`` call and the
     like), without starting them: after that, the environment variables a backend reads at its
-    start (XLA's allocator's: :mod:`meshpar.sharding.unified_memory`) come too late for this process.
+    start (XLA's allocator's: :mod:`meshpar.backend.unified_memory`) come too late for this process.
 
     Public API to move to: none in jax 0.10 or 0.12 (every public way to ask about a backend
     starts it).
