@@ -1,33 +1,9 @@
-"""Feeders: put a host batch onto the mesh as global ``jax.Array``s, two ways.
+"""Feeders: put a host batch onto the mesh as global ``jax.Array``s, two ways (``direct``,
+``routed``), each timing its own placements and keeping a ledger of the input bytes it holds
+on each device.
 
-``direct`` (the default): every device receives only its own slice, straight from the host.
-``routed``: the whole host batch goes to one relay device first, which then hands each device
-its slice — Mesh TensorFlow's GPU path. Both return arrays with the same values and the same
-``NamedSharding``; they differ in transfer time and in what the relay device must hold.
-
-Which JAX primitive ``direct`` uses (8 simulated CPU devices, batch sharded 8 ways, median of
-5 after warm-up): ``make_array_from_process_local_data`` 0.32 / 1.19 / 4.49 ms for 1 / 16 /
-64 MiB, per-device ``device_put`` + ``make_array_from_single_device_arrays`` 0.48 / 1.34 /
-4.68 ms, ``device_put(x, sharding)`` 0.39 / 1.67 / 4.64 ms. All three are within noise at
-large sizes; ``make_array_from_process_local_data`` is fastest at small ones and is also the
-one that is correct multi-host (it takes this process's rows only), so it is used. On CPU,
-placement can alias a 64-byte-aligned host buffer instead of copying it (64 MiB placed faster
-than ``np.copy`` of it), so a CPU figure may understate a real host→device copy.
-
-How ``routed`` moves a batch (same 8 devices, ``data:4,model:2``, batch split over ``data``,
-a 784-float × 256-row batch plus its labels; median placement of 300, on a loaded 2-core
-host): a Python loop of per-device slice-and-copy 2.93 ms; ``device_put(relay_array,
-target_sharding)`` 1.50 ms (jax 0.10 cuts one slice per device, duplicates included, inside
-the call, so the relay transiently holds 3x the batch and the ledger cannot see it); one
-jitted split of the distinct slices + a ``device_put`` of the list to their devices 1.58 ms,
-used; the same split + jax's internal ``batched_device_put`` 1.13 ms (not public API: not
-used); direct 0.73 ms. Every variant copies from the relay (the transfer guard refuses all of
-them).
-
-Input memory (the ``live_buffers`` source): every device array a feeder creates — placed
-batch shards, the routed relay's staging copy of the whole batch, the routed path's temporary
-slices on the relay — is counted in a :class:`LiveBytes` ledger when it is created and
-uncounted when it is released, so the per-device peak is exact, not sampled.
+The spec (what each feeder moves, why these JAX primitives, the measurements behind them, the
+input-memory ledger) is in docs/data.md, "Feeders".
 """
 
 from __future__ import annotations

@@ -1,47 +1,9 @@
-"""An image classification source whose reads do real work: JPEG records decoded per read.
+"""An image classification source whose reads do real work: JPEG records written locally
+(:func:`write_jpeg_records`) and read back by index, decoded, cropped and normalised
+(:class:`JpegRecords`); the decode-bound counterpart of the token sources.
 
-:func:`write_jpeg_records` makes a labelled image set locally (no download) and writes it as one
-`array_record <https://github.com/google/array_record>`_ file; :class:`JpegRecords` reads it
-back by index for the host loader, decoding each JPEG with PIL, cropping it and normalising it
-into ``float32``. It is the decode-bound counterpart of the token sources, whose reads are a
-gather: what the host's cores can decode decides how many batches per second a host can feed.
-
-Images. Each is drawn from ``(seed, index)``: a linear gradient between two dull colours, two to
-four grey-ish distractor shapes, and one large shape whose *class* is visible: its hue is
-``label / num_classes`` of the way round the colour wheel at high saturation, and its kind
-(ellipse, rectangle, triangle) is ``label % 3``. A 1-pixel Gaussian blur softens the edges and
-a light grain (sigma 4 of 255) stands in for sensor noise, so JPEG meets what it meets in photos:
-smooth areas, a few edges, some high-frequency texture, not white noise. At 256x256, quality 90,
-that is 11.3 KB per image on average (5.4 KB without grain or blur; uniform random pixels
-take 59 KB), and PIL decodes one in ~0.5 ms on one core.
-
-Record layout (little-endian), one record per image::
-
-    bytes 0..3   label, uint32
-    bytes 4..    the JPEG file (SOI ... EOI)
-
-The file is written with ``group_size:1`` (each record its own chunk, so reading record ``i``
-reads only it: random access at the loader's permuted order) and ``uncompressed``: JPEG bytes
-do not shrink under zstd, and skipping it spares a decompression per read.
-
-Reads. ``read(indices)`` returns ``{"inputs": float32 [n, crop, crop, 3], "targets": int32 [n]}``
-with ``inputs = (pixels / 255 - mean) / std`` per channel (ImageNet's mean and std by default).
-The crop's offset is a hash of ``(seed, index)`` (splitmix64), so a read is deterministic and
-does not depend on which other indices it is read with. The augmentation therefore does not
-change across epochs: the source sees only indices, and a host batch must be a pure function of
-``(seed, step)`` (resuming needs nothing but the step, and a worker process reproduces the batch
-the main process would have read); varying the crop per epoch would need the epoch passed down
-with the indices. The normalisation is a multiply and an add per value, image by image (its
-600 KB stay in cache) and written straight into the batch's buffer (``read_into``), so the
-loader's reused buffers are filled without a copy. Tiling the per-channel factors along a row
-matters: broadcasting a ``[3]`` vector makes numpy's inner loop 3 long, 16x slower. A batch of
-128 crops of 224 (77 MB of float32) from 256x256 JPEGs takes ~90 ms of one core of a 2-core
-Xeon: ~1,400 images/s; PIL's decode is ~45% of it, the normalisation ~25%, the rest PIL's
-header parsing, the pixel copy out of PIL and the crop offsets.
-
-Workers. A source is pickled into spawned worker processes: only the constructor's arguments
-travel, and the child opens its own reader (an open reader is a C++ object that cannot be
-pickled, and a few hundred bytes are cheaper to send than any state).
+The spec (the images drawn, the record layout, what a read returns, its cost, how it travels
+to worker processes) is in docs/data.md, "JPEG image records".
 """
 
 from __future__ import annotations

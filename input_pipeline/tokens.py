@@ -1,70 +1,8 @@
-"""Tokenized corpora on disk: the format, its writer primitives, and :class:`TokenSource`.
+"""Tokenized corpora on disk: the format, its writer primitives, and :class:`TokenSource`,
+which memory-maps a prepared corpus and serves it as windows of ``length + 1`` tokens.
 
-A text source (:mod:`input_pipeline.text`) tokenizes its corpus every time it opens (the
-standard library's 30 MB under a BPE: 15 s or more), and holds the whole stream in memory.
-A *prepared* corpus is tokenized once (``python -m meshpar.data prepare``, see
-:mod:`input_pipeline.corpus`) into a folder of shards that a run memory-maps, so opening it
-costs a few stats and reading it costs page-cache copies, whatever its size.
-
-A prepared corpus is a folder::
-
-    manifest.json        written last, atomically: its presence means the corpus is complete
-    tokenizer.json       (Hugging Face tokenizers only) a copy of the tokenizer, and its
-    tokenizer_config.json  config when one lay beside it, so the corpus is self-contained
-    train-00000.bin      token ids, raw, little endian, in the manifest's dtype
-    train-00000.idx      int64, little endian: each document's cumulative END offset in tokens
-    eval-00003.bin ...
-    plan.json, units/    the preparer's own bookkeeping (resuming; see input_pipeline.corpus)
-
-In a ``.bin`` every document is followed by the tokenizer's separator ids (its end-of-document
-token), the last one too: a shard is a run of whole documents, so shards concatenate into the
-split's stream without anything to insert between them. The ``.idx`` entry of a document is
-where its span (separator included) ends, so document ``d`` of a shard is
-``bin[idx[d-1]:idx[d]]`` (``idx[-1]`` read as 0). Shards are numbered by the preparer's work
-unit, not consecutively per split: a unit whose documents all went to train has no eval shard.
-A split with no documents has no shards.
-
-``manifest.json``::
-
-    format         "meshpar-tokens"          version  1
-    tokenizer      kind ("byte" | "hf"), file ("tokenizer.json", hf only), sha256 (of the
-                   tokenizer.json bytes, or "byte"), fingerprint (Tokenizer.fingerprint),
-                   vocab_size, separator (ids), eod_token (str or null)
-    dtype          token_dtype(vocab_size): "uint8" (bytes), "uint16" when it fits, else "int32"
-    eval_fraction  the train/eval split (by document key, text.is_eval_file)
-    splits         {"train": S, "eval": S}, S = {documents, tokens, shards: [R, ...]} with the
-                   shards in stream order, R = {tokens: "train-00000.bin", index: "train-00000.idx",
-                   documents, tokens_count, bytes (tokens_count * itemsize), sha256 (of the .bin),
-                   index_sha256 (of the .idx), max_id (the largest id in the shard)}
-    inputs         {files, bytes}: what was read
-    options        {include, text_field, shard_mb}: the preparer's options that shaped the corpus
-    seconds        how long the run that completed the preparation took (the only field that
-                   depends on the clock)
-    created_by     "python -m meshpar.data prepare"
-
-:class:`TokenSource` serves a split as windows of ``length + 1`` tokens, like
-:class:`input_pipeline.text.TextWindows`, in one of two ways:
-  * ``windows="packed"`` — the split's stream (its shards in order) cut at stride ``length``:
-    example ``i`` is ``stream[i*length : i*length + length + 1]``, across document and shard
-    boundaries, ``(tokens - 1) // length`` examples. Nothing is lost but the tail.
-  * ``windows="document"`` — each document's span (its separator included) cut the same way on
-    its own, so no window crosses a document: a span of ``n`` tokens gives ``(n - 1) // length``
-    windows, none when ``n < length + 1``. The tokens no window holds (every short document,
-    each document's tail) are counted in :attr:`TokenSource.dropped_tokens`.
-
-Reads are a Python loop over the batch's windows, each a slice of a memory map copied into the
-output. Measured on two cores, from the page cache: a batch of 256 random windows of 1025 tokens
-takes about 0.18 ms, in uint16 (the 2k BPE: 512 KiB, ~3 GB/s) as in uint8 (bytes): far below a
-training step, so the loader adds nothing to it. Every read also takes the output's max (one
-vectorised pass) against the vocabulary limit, so a corrupt id is reported, naming its shard,
-document and example, before a model embeds it, ``verify`` or not. (``document`` windows of
-1024 on the byte-tokenized standard library drop 2.7% of its tokens; ``packed``, a few hundred.)
-
-Opening checks what is cheap to check: the manifest, each shard's and index's size, each index
-(strictly increasing, ending at the shard's token count), and with ``verify=True`` each file's
-sha256, hashed once per process per (path, size, mtime). A ``TokenSource`` pickles as its
-constructor's arguments and the manifest (a worker process reopens the maps without hashing
-again). Every failure is a one-line :class:`DataError` naming the file.
+The spec (the folder's files, ``manifest.json``'s fields, the two window modes, what opening
+checks, what reads cost) is in docs/data.md, "The prepared corpus format".
 """
 
 from __future__ import annotations

@@ -1,59 +1,9 @@
-"""Host batches assembled in worker processes by Grain, handed over through shared memory.
+"""Host batches assembled in worker processes by Grain, handed over through shared memory:
+:class:`WorkerBatches` yields ``(step, loader.batch(step))`` in step order, whatever the
+worker count.
 
-:class:`WorkerBatches` yields ``(step, loader.batch(step))`` for ``step = start, ..., stop-1``.
-With ``workers == 0`` it calls the loader in this process; with ``workers >= 1`` Grain's
-``mp_prefetch`` runs ``loader.batch`` in that many spawned processes, worker ``i`` taking steps
-``start + i, start + i + workers, ...`` and this process taking them back round-robin (each batch
-says which step it is and which process made it, and both are checked). Every batch is still a
-pure function of ``(seed, step)`` and arrives in step order, so the data position stays ``step``
-whatever the worker count: a run saved with 2 workers resumes bit-identically with 0 or 1.
-Grain's ``DataLoader`` is not used (with a batch op it orders rows differently at 2 workers), nor
-``ShardByJaxProcess`` (the loader's ``rows`` already choose this process's rows). Each worker
-assembles one batch at a time: Grain's default read options would run 16 threads in it and
-assemble up to 500 batches ahead.
-
-What workers cost, measured on a 2-core host with a source that only slices arrays in memory
-(``SyntheticSource``; medians of 3):
-  * start-up, construction to first batch: 1.2-1.3 s with 1 worker, 1.2-1.5 s with 2 (each is a
-    fresh interpreter importing numpy and Grain and unpickling the loader), plus 1.0-1.2 s for
-    importing Grain here the first time; ``close()`` takes 0.2-0.4 s.
-  * throughput, the caller doing nothing else: 0.35-0.75 ms per small batch (32 x 8 floats)
-    against 0.003 ms in-process; a 6.3 MB batch takes 4.5 ms with 1 worker (1.4 GB/s) and
-    2.8-4.6 ms with 2 (1.4-2.2 GB/s) against 0.5 ms in-process (13 GB/s): each batch is copied
-    into a new shared memory segment, mapped here and unlinked, plus a pipe message.
-  * the caller's own cost for a batch already waiting: 0.15-0.3 ms, whatever its size.
-Workers therefore pay for sources with real per-batch CPU work (decoding images, tokenizing),
-which they run in parallel and off this process's GIL; for slicing arrays already in memory
-(``SyntheticSource``, ``TextSource``) keep ``workers = 0``. (Timing a loop over Grain's own
-iterator to its end adds Grain's 0.7 s end-of-data detection to these; this class stops at
-``stop`` without asking for more.)
-
-Memory: each worker holds its own copy of the loader and source (a source that keeps its data
-in memory is copied into every worker). Each keeps up to ``buffer`` batches in its queue and
-this process up to ``buffer`` more per worker, plus one being assembled: at most
-``workers * (2 * buffer + 1)`` batches in ``/dev/shm`` besides those the caller holds. A batch
-is a plain ``np.ndarray`` over this process's own mapping of its segment, whose name is unlinked
-as soon as the batch arrives: the memory goes when the caller drops the batch, even at exit.
-
-Faults are named, in one line. A worker that dies (the out-of-memory killer's SIGKILL) becomes a
-``DataError`` naming its index, pid, signal or exit code and the step it owed; Grain's own message
-names no worker. An exception the source raises inside a worker reaches the caller with its type
-and message unchanged, after every earlier step's batch. Workers ignore SIGINT and SIGTERM: Ctrl-C
-reaches the whole process group, and the training process answers it by saving a checkpoint and
-closing this iterator, which a worker dead of SIGINT would turn into a data error. Workers watch
-their parent and exit when it is gone, even after a SIGKILL that runs no cleanup (within 0.25 s;
-the parent's resource tracker then unlinks the segments still queued). A parent-death signal
-would not do: it fires when the *thread* that started the worker exits, and Grain starts them
-from helper threads. :meth:`WorkerBatches.close` stops and joins the workers, killing any that is
-still busy after 2 s (a read that hangs), and leaves nothing in ``/dev/shm``; an iterator left
-open is closed the same way when collected or at exit. Segments carry the pipeline's own name
-prefix, so close() also unlinks what a worker killed in the meantime left behind (the segment it
-was filling, batches still queued).
-
-Workers are spawned, not forked (forking a process that runs JAX's threads is unsafe): the loader
-and its source must be picklable (checked at construction), and each worker re-imports the
-parent's ``__main__`` module, so a script that starts workers must guard its entry point with
-``if __name__ == "__main__":``.
+The spec (how steps are shared out, what workers cost, memory, faults, spawning) is in
+docs/data.md, "Worker processes: the spec".
 """
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def render() -> str:
         "# Config reference",
         "",
         "Every key of an experiment config, generated from the config dataclasses",
-        "(`meshpar/configuration/config.py`, `meshpar/models/`) and the comments in their source each time",
+        "(`meshpar/configuration/sections.py`, `meshpar/models/`) and the comments in their source each time",
         "the docs are built; `python -m meshpar.config_reference` prints this page. Keys are",
         "dotted: `train.steps` is `steps:` under `train:` in the YAML, and `train.steps=500` on",
         "the command line. Keys listed together share one comment (a group, below). Beyond the",

@@ -17,7 +17,7 @@ fallback), ``jax.stages.ArgInfo.shape``/``.dtype`` (was ``ArgInfo._aval``),
 ``jax.extend.backend.get_backend().platform_version`` (was ``Device.client.platform_version``),
 ``jax.Device.memory_stats()`` (was guarded by ``hasattr``). The coordination-service reads no
 longer tell a timeout from a failure by the error's text (``DEADLINE_EXCEEDED``): a read that
-fails only after its whole timeout has passed is the timeout (:mod:`meshpar.processes.distributed`).
+fails only after its whole timeout has passed is the timeout (:mod:`meshpar.processes.together`).
 
 Elsewhere, on purpose: jaxpr primitive names and the jax-version differences in jaxpr params
 live in :mod:`meshpar.jaxprs`, the one jaxpr walker; the regex on orbax/tensorstore error text

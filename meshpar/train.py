@@ -15,7 +15,7 @@ import sys
 from meshpar.configuration import config as config_lib
 from meshpar.configuration import errors
 from meshpar.configuration.config import Config
-from meshpar.processes import distributed
+from meshpar.processes import together
 from meshpar.processes.stop import Interrupted
 from meshpar.run import experiment, loop
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     overrides = [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])]
     try:
-        with distributed.stop_together():
+        with together.stop_together():
             summary = run(config_lib.load(args.config, overrides))
     except Interrupted as e:
         saved = f"; checkpoint saved at step {e.step}" if e.saved else " (checkpointing is off: nothing saved)"

@@ -25,9 +25,10 @@ feeder's placement of the batch, medians over ``--repeats`` after one warm-up. H
   timed from outside (no ledger: no relay bytes; other feeders are not run).
 
 **Steps** (``--config X [section.key=value ...]``): one experiment is built from the config
-(its mesh, layout, model, optimizer, batch shardings; in a temporary workdir); then, in
-alternating blocks of ``--block`` steps (the order of the feeders flips every round), each
-feeder places the host batch of the next step and the jitted train step runs on it, its loss
+(its mesh, layout, model, optimizer, batch shardings; in a temporary workdir) and its train step
+compiled ahead of time (``scripts/common.py``); then, in alternating blocks of ``--block`` steps
+(the order of the feeders flips every round), each feeder places the host batch of the next
+step and the compiled train step runs on it, its loss
 fetched before the next batch is placed (``feed.prefetch=0``: placement is on the step's
 critical path). A step's time is host batch ready → placed → stepped → loss on the host; the
 host loader's own time is left out (it is the same for every feeder). Every feeder trains the
@@ -62,8 +63,6 @@ from input_pipeline.batching import HostLoader, aligned_empty
 from input_pipeline.feeding import FEEDERS
 from meshpar.configuration import config as config_lib
 from meshpar.configuration import errors
-from meshpar.processes import stop
-from meshpar.run import experiment
 from meshpar.sharding import mesh as mesh_lib
 
 ROW_FLOATS = 4096  # 16 KiB per example row, so a batch of B MiB has 64·B rows
@@ -253,22 +252,21 @@ def placement(args, classes: dict) -> dict:
 
 def steps(args, classes: dict, workdir: str) -> dict:
     cfg = config_lib.load(args.config, [*args.overrides, "feed.prefetch=0", "checkpoint.every=0", f"workdir={workdir}"])
-    exp = experiment.build(cfg)
+    running = common.materialize(cfg, batches=0)  # the compiled step on the experiment's state
+    exp = running.exp
     feeders = {label: cls(exp.inputs.shardings, cfg.train.batch_size) for label, cls in classes.items()}
-    loader, flags = exp.inputs.train, stop.make_flags(exp.mesh, 0)
-    state, step_index = exp.state, 0
+    loader, step_index = exp.inputs.train, 0
     received = {}
 
     def run(label: str, n: int) -> tuple[list[float], list[float]]:
-        nonlocal state, step_index
+        nonlocal step_index
         totals, places = [], []
         for _ in range(n):
             host = loader.batch(step_index)
             step_index += 1
             start = time.perf_counter()
             arrays, info = feeders[label].place(host)
-            state, metrics = exp.train_step(state, arrays, flags)
-            float(metrics["loss"])
+            float(running(arrays)["loss"])
             totals.append(time.perf_counter() - start)
             places.append(info.seconds)
             received[label] = info.relay_bytes

@@ -20,12 +20,12 @@ moe_tiny's shape (experiments/moe_tiny.yaml: 2 layers of d_model 128, 8 SwiGLU e
   tokens over ``expert``, runs its own experts, and the outputs are reduce-scattered back.
 
 Each row's experiment is built as ``python -m meshpar.train`` builds it (checkpoints, eval and the
-memory pre-flight off), its train step compiled ahead of time, and run. After warm-up, rounds of
-one block of ``--steps`` steps per row (the order reversed every other round), each step waited
-for. Reported per row: the median step (measured), its ratio to the dense baseline's of the same
+memory pre-flight off), its train step compiled ahead of time (``scripts/common.py``), and run on
+the experiment's state and batches. After warm-up, rounds of one block of ``--steps`` steps per
+row (the order reversed every other round), each step waited for. Reported per row: the median step (measured), its ratio to the dense baseline's of the same
 round (median over rounds, 95% bootstrap interval), and the all-to-all bytes per device per step:
 measured from the compiled HLO (:func:`meshpar.plan.time.timing.collectives`, loops × their trip
-counts) and planned from the traced program before compiling
+counts) and planned from the traced program, nothing compiled
 (:func:`meshpar.plan.time.reshards.all_to_alls`). The simulated CPU devices share this host's
 cores and memory: an all-to-all here is a copy, so the step ratios show the dispatch's compute,
 not a network's cost.
@@ -71,14 +71,11 @@ def parse_args(argv=None):
 
 
 class Row:
-    """One configuration: its experiment, compiled step, state, placed batches and figures."""
+    """One configuration: its compiled step running on its experiment's arrays, and its figures."""
 
     def __init__(self, label: str, layout: str, extra: list[str], model: list[str], args, workdir: str):
         from meshpar.configuration import config
-        from meshpar.plan.time import reshards, timing
-        from meshpar.processes import stop
-        from meshpar.run import experiment
-        from meshpar.step import parts
+        from meshpar.plan.time import reshards
 
         base = config.load(CONFIG, [*model, *args.overrides])
         dense_ff = f"model.d_ff={base.model.moe_top_k * base.model.d_ff}"  # the active MLP of an MoE layer
@@ -86,28 +83,21 @@ class Row:
         overrides = [f"layout={layout}", *extra]
         cfg = config.load(CONFIG, [*model, *args.overrides, *QUIET, f"workdir={workdir}", *overrides])
         self.label, self.layout, self.overrides = label, layout, overrides
-        self.planned = reshards.all_to_alls(cfg, parts.abstract_step(cfg))  # before anything is compiled
-        exp = experiment.build(cfg)
-        self.flags = stop.make_flags(exp.mesh, 0)
-        self.batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(2)]
-        t = time.perf_counter()
-        self.compiled = exp.train_step.lower(exp.state, self.batches[0], self.flags).compile()
-        self.compile_s = time.perf_counter() - t
+        self.running = common.materialize(cfg)
+        step = self.running.step
+        self.planned = reshards.all_to_alls(step.parts)  # from the traced program, not the compiled one
+        self.compile_s = step.compile_s
         self.measured: dict[str, int] = {}
-        for kind, nbytes, axes in timing.collectives(self.compiled, exp.mesh):
+        for kind, nbytes, axes in step.collectives():
             if kind == "all-to-all":
                 self.measured[axes] = self.measured.get(axes, 0) + nbytes
-        self.memory = common.memory_analysis(self.compiled)
-        self.state, metrics = self.compiled(exp.state, self.batches[0], self.flags)
-        self.first_loss = float(metrics["loss"])
-        self.steps_done = 1
+        self.memory = step.memory()
+        self.first_loss = float(self.running(self.running.batches[0])["loss"])
         self.run(args.warmup)
 
     def run(self, n: int) -> list[float]:
         """`n` steps, each waited for; their wall times."""
-        self.state, times = common.step_times(self.compiled, self.state, self.batches, self.flags, n, self.steps_done)
-        self.steps_done += n
-        return times
+        return self.running.run(n)
 
 
 def disagreements(planned: dict[str, int], measured: dict[str, int]) -> list[str]:

@@ -165,12 +165,11 @@ def run_one(label: str, args) -> dict:
     """One setting, in this process: build, compile, step; its figures as a dict."""
     import jax
 
+    from meshpar import models
     from meshpar.configuration import config
-    from meshpar.processes import stop
-    from meshpar.run import experiment
     from meshpar.sharding import mesh as mesh_lib
     from meshpar.sharding import offload
-    from meshpar.step import parts, trainer
+    from meshpar.step import trainer
 
     overrides, memory = SETTINGS[label]
     workdir = tempfile.mkdtemp(prefix="meshpar-bench-offload-")
@@ -194,30 +193,26 @@ def run_one(label: str, args) -> dict:
         extra.append("mesh=" + ",".join([f"{first}:-1", *(f"{a}:1" for a in rest)]))
         notes.append(f"{extra[-1]} (the config's mesh is for another device count)")
     cfg = load(extra)
-    exp = experiment.build(cfg)
-    step, state = exp.train_step, exp.state
-    if memory == "device":  # the reference: the same names saved on the devices
-        tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
-        step = trainer.make_train_step(
-            plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings,
+
+    def saved_on_device(parts):  # the reference: the same names saved on the devices
+        return trainer.make_train_step(
+            parts.plan.graphdef, parts.tx, parts.layout, parts.mesh, parts.plan.shardings, parts.batch_shardings,
             cfg.train.microbatches, cfg.offload.activations, activations_memory="device",
         )  # fmt: skip
-    flags = stop.make_flags(exp.mesh, 0)
-    batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(min(args.steps, 4))]
-    t0 = time.perf_counter()
-    traced = step.trace(state, batches[0], flags)
-    moves = offload.host_moves(traced.jaxpr)
-    compiled = traced.lower().compile()
-    hlo_text = compiled.as_text()
+
+    running = common.materialize(cfg, min(args.steps, 4), variant=saved_on_device if memory == "device" else None)
+    step, exp = running.step, running.exp
+    moves = offload.host_moves(step.jaxpr())
+    hlo_text = step.compiled.as_text()
     seen = _seen_by_size(moves, _host_buffer_sizes(hlo_text), getattr(cfg.model, "n_layers", 1), exp.mesh.size)
-    compile_s = time.perf_counter() - t0
     times, losses = [], []
     for i in range(args.steps):
         t = time.perf_counter()
-        state, metrics = compiled(state, batches[i % len(batches)], flags)
+        metrics = running(running.batches[i % len(running.batches)])
         losses.append(float(metrics["loss"]))  # waits for the step
         times.append(time.perf_counter() - t)
-    asked = offload.ACTIVATION_NAMES[cfg.offload.activations] if memory else ()
+    state = running.state
+    asked = models.family(cfg.model.name).kept_activations(cfg.offload.activations) if memory else ()
     return {
         "setting": label,
         "overrides": overrides + ([f"(names kept in {memory})"] if memory else []),
@@ -226,12 +221,12 @@ def run_one(label: str, args) -> dict:
         "device_kind": devices[0].device_kind,
         "devices": len(exp.mesh.devices.flat),
         "mesh": cfg.mesh_str,
-        "compile_s": compile_s,
+        "compile_s": step.compile_s,
         "step_s": times,
         "median_step_s": statistics.median(times[1:] or times),
         "losses": losses,
         "peak_bytes_in_use": _peak_bytes(exp.mesh.devices.flat),
-        "memory_analysis": common.memory_analysis(compiled),
+        "memory_analysis": step.memory(),
         "hlo": _hlo_placement(hlo_text),
         "names_asked": list(asked),
         "names_moved_to_host": sorted(moves),

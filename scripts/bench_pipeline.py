@@ -12,9 +12,9 @@ One small Transformer (8 layers), one global batch, 8 devices, in this one proce
   with R = 2 (``pipeline.repeats``) for a couple of (S, M).
 
 Each row's experiment is built as ``python -m meshpar.train`` builds it (checkpoints, eval and
-the memory pre-flight off), its train step compiled ahead of time, and its first step run on
-batch 0 from the same initial state: that loss must equal the baseline's (the pipeline computes
-the same function). After warm-up, rounds of one block of ``--steps`` steps per row (the order
+the memory pre-flight off), its train step compiled ahead of time (``scripts/common.py``), and its
+first step run on batch 0 from the same initial state: that loss must equal the baseline's (the
+pipeline computes the same function). After warm-up, rounds of one block of ``--steps`` steps per row (the order
 reversed every other round, so a drift of the shared machine falls on all rows alike), each step
 waited for. Reported per row:
 
@@ -84,45 +84,32 @@ def label(stages: int, microbatches: int, kind: str, repeats: int) -> str:
 
 
 class Row:
-    """One configuration: its experiment, compiled step, state, placed batches and figures."""
+    """One configuration: its compiled step running on its experiment's arrays, and its figures."""
 
     def __init__(self, key: tuple[int, int, str, int], args, workdir: str):
         from meshpar.configuration import config
-        from meshpar.plan.time import timing
-        from meshpar.processes import stop
-        from meshpar.run import experiment
-        from meshpar.step import parts
 
         stages, microbatches, kind, repeats = key
         mesh, layout = MESHES[stages]
         overrides = [f"mesh={mesh}", f"layout={layout}", f"train.microbatches={microbatches}",
                      f"pipeline.schedule={kind}", f"pipeline.repeats={repeats}"]  # fmt: skip
         cfg = config.load(CONFIG, [*MODEL, *args.overrides, *QUIET, f"workdir={workdir}", *overrides])
-        t = time.perf_counter()
-        exp = experiment.build(cfg)
-        self.build_s = time.perf_counter() - t
+        self.running = common.materialize(cfg)
+        step = self.running.step
         self.label, self.key, self.overrides = label(*key), key, overrides
-        self.schedule = parts.schedule(cfg, exp.layout)
-        self.flags = stop.make_flags(exp.mesh, 0)
-        self.batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(2)]
-        t = time.perf_counter()
-        self.compiled = exp.train_step.lower(exp.state, self.batches[0], self.flags).compile()
-        self.compile_s = time.perf_counter() - t
-        self.memory = common.memory_analysis(self.compiled)
-        found = timing.collectives(self.compiled, exp.mesh)  # (kind, bytes, mesh axes) per HLO instruction
+        self.build_s, self.compile_s = self.running.build_s, step.compile_s
+        self.schedule = step.schedule
+        self.memory = step.memory()
+        found = step.collectives()  # (kind, bytes, mesh axes) per HLO instruction
         self.permutes = [axes for k, _, axes in found if k == "collective-permute"]
         self.all_gathers = sum(k == "all-gather" for k, _, _ in found)
-        self.state, metrics = self.compiled(exp.state, self.batches[0], self.flags)
-        self.first_loss = float(metrics["loss"])
-        self.steps_done = 1
+        self.first_loss = float(self.running(self.running.batches[0])["loss"])
         self.mesh, self.layout = mesh, layout
         self.run(args.warmup)
 
     def run(self, n: int) -> list[float]:
         """`n` steps, each waited for; their wall times."""
-        self.state, times = common.step_times(self.compiled, self.state, self.batches, self.flags, n, self.steps_done)
-        self.steps_done += n
-        return times
+        return self.running.run(n)
 
 
 def main(argv=None) -> int:

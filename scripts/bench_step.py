@@ -81,10 +81,18 @@ def hand_step(exp):
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from meshpar import models
     from meshpar.sharding import layout as layout_lib
     from meshpar.step import parts
 
-    tx, plan = parts.plan_model(exp.cfg, exp.mesh, exp.layout, exp.inputs.element_spec, exp.record["decay_steps"])
+    tx, plan = parts.plan_model(
+        exp.cfg,
+        models.family(exp.cfg.model.name),
+        exp.mesh,
+        exp.layout,
+        exp.inputs.element_spec,
+        exp.record["decay_steps"],
+    )
 
     def step(state, batch):
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))

@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+import common
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,20 +30,15 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
+    from meshpar import models
     from meshpar.configuration import config
-    from meshpar.processes import stop
-    from meshpar.run import experiment
 
     cfg = config.load(args.config, [*args.overrides, "mesh=data:1", "layout=batch:data", "train.progress=false"])
     if hasattr(cfg.model, "scan_layers"):  # count every layer (see above)
         cfg = config.load(args.config, [*args.overrides, "mesh=data:1", "layout=batch:data", "model.scan_layers=false"])
-    exp = experiment.build(cfg)
-    batch, _ = exp.inputs.feeder.place(exp.inputs.train.batch(0))
-    compiled = exp.train_step.lower(exp.state, batch, stop.make_flags(exp.mesh, 0)).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    xla = float(cost["flops"])
-    model = exp.flops_per_example * cfg.train.batch_size
+    step = common.compile_step(cfg)
+    xla = step.flops()
+    model = models.family(cfg.model.name).flops_per_example(cfg.model, step.element_spec) * cfg.train.batch_size
     result = {
         "config": args.config,
         "model_flops_per_step": model,

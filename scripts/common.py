@@ -1,8 +1,10 @@
 """What the scripts in this folder share (it is no script itself): the repository on
 ``sys.path``; timing, as medians over repeats after a warm-up, and in rounds against a baseline;
-statistics over rounds (a 95% bootstrap interval of a median, Spearman's rank correlation); XLA's
-memory figures of a compiled program; a feeder's own timing of its placements; and a result's
-table and JSON, and a run's end: its JSON written, its failed checks said, its exit status.
+statistics over rounds (a 95% bootstrap interval of a median, Spearman's rank correlation); a
+config's train step compiled ahead of time (:func:`compile_step`) and run on an experiment's real
+state and batches (:func:`materialize`); XLA's figures of a compiled program; a feeder's own
+timing of its placements; and a result's table and JSON, and a run's end: its JSON written, its
+failed checks said, its exit status.
 
 A script imports it as ``import common``: Python puts a script's own folder first on
 ``sys.path``. Importing it puts the repository there too, so that a script runs from a checkout
@@ -13,6 +15,7 @@ set jax's environment (``JAX_PLATFORMS``) before jax is first imported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -152,6 +155,122 @@ def placements(feeder, batches: Iterable, warmup: int = 1) -> list:
         if i >= warmup:
             out.append(info)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A config's train step, compiled and run
+#
+# Every script that measures a train step goes through these two: the step is the config's
+# parts (:func:`meshpar.step.parts.abstract_step`: the mesh, the layout, the state plan, the
+# jitted step and the abstract arguments a run lowers it with), compiled here, so that no script
+# depends on how an experiment holds its step (jitted, or compiled by the pre-flight).
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """A config's train step compiled ahead of time for its mesh: ``parts`` (a
+    ``meshpar.step.parts.AbstractStep``), ``compiled`` (``jax.stages.Compiled``: called as
+    ``compiled(state, batch, stop_flags) -> (state, metrics)``, the state donated) and
+    ``compile_s``, the seconds its lowering and XLA compile took (jax's persistent compilation
+    cache may have served the compile)."""
+
+    parts: Any
+    compiled: Any
+    compile_s: float
+
+    @property
+    def mesh(self):
+        return self.parts.mesh
+
+    @property
+    def element_spec(self) -> dict:
+        """The train data's, per example (what a family's ``flops_per_example`` reads)."""
+        return self.parts.element_spec
+
+    @property
+    def schedule(self):
+        """The pipeline the layout runs (``meshpar.sharding.stages.Schedule``), or None."""
+        return self.parts.plan.schedule
+
+    def jaxpr(self):
+        """The traced program (its jaxpr), from the abstract arguments."""
+        return self.parts.step.trace(*self.parts.args).jaxpr
+
+    def memory(self) -> dict:
+        """XLA's ``memory_analysis()``, per device (:func:`memory_analysis`)."""
+        return memory_analysis(self.compiled)
+
+    def flops(self) -> float:
+        """XLA's ``cost_analysis()["flops"]`` of the program, per device (a ``while`` body
+        counted once, not once per trip)."""
+        cost = self.compiled.cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    def collectives(self) -> list[tuple[str, int, str]]:
+        """(kind, bytes per device, mesh axes) per collective of the compiled HLO, loops × their
+        trip counts (:func:`meshpar.plan.time.timing.collectives`)."""
+        from meshpar.plan.time import timing  # here: see the module docstring
+
+        return timing.collectives(self.compiled, self.mesh)
+
+
+def compile_step(cfg, mesh=None, element_spec=None, variant: Callable[[Any], Any] | None = None) -> CompiledStep:
+    """`cfg`'s train step (:func:`meshpar.step.parts.abstract_step`, on `mesh` and with the train
+    data's `element_spec` when given: an experiment's, so that its arrays fit the program)
+    lowered and compiled, timed. `variant`: a function of the parts returning another jitted step
+    over the same arguments, compiled instead of theirs (a reference program to compare with)."""
+    from meshpar.step import parts as parts_lib  # here: see the module docstring
+
+    parts = parts_lib.abstract_step(cfg, mesh=mesh, element_spec=element_spec)
+    if variant is not None:
+        parts = dataclasses.replace(parts, step=variant(parts))
+    start = time.perf_counter()
+    compiled = parts.lower().compile()
+    return CompiledStep(parts, compiled, time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class Running:
+    """A compiled train step on an experiment's real arrays: ``exp`` (as ``python -m
+    meshpar.train`` builds it: ``meshpar.run.experiment.Experiment``; its own ``state`` handed
+    over, so set to None), ``state``, placed ``batches``, the stop ``flags``, ``step``, and
+    ``steps_done``; ``build_s``: the seconds the experiment took to build."""
+
+    exp: Any
+    step: CompiledStep
+    state: Any
+    batches: list
+    flags: Any
+    build_s: float
+    steps_done: int = 0
+
+    def __call__(self, batch) -> dict:
+        """One step on `batch` (a placed batch); its metrics."""
+        self.state, metrics = self.step.compiled(self.state, batch, self.flags)
+        self.steps_done += 1
+        return metrics
+
+    def run(self, n: int) -> list[float]:
+        """`n` steps on the batches in turn, each waited for (:func:`step_times`); their wall times."""
+        self.state, times = step_times(self.step.compiled, self.state, self.batches, self.flags, n, self.steps_done)
+        self.steps_done += n
+        return times
+
+
+def materialize(cfg, batches: int = 2, variant: Callable[[Any], Any] | None = None) -> Running:
+    """`cfg`'s experiment built (:func:`meshpar.run.experiment.build`), its first `batches` train
+    batches placed by its feeder, and its train step compiled on its mesh and data
+    (:func:`compile_step`, with `variant`), ready to run on its real state."""
+    from meshpar.processes import stop  # here: see the module docstring
+    from meshpar.run import experiment
+
+    start = time.perf_counter()
+    exp = experiment.build(cfg)
+    build_s = time.perf_counter() - start
+    placed = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(batches)]
+    step = compile_step(cfg, mesh=exp.mesh, element_spec=exp.inputs.element_spec, variant=variant)
+    state, exp.state = exp.state, None  # donated to the steps
+    return Running(exp, step, state, placed, stop.make_flags(exp.mesh, 0), build_s)
 
 
 # ---------------------------------------------------------------------------------------------

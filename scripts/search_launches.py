@@ -41,12 +41,12 @@ def main() -> int:
     for mesh, k in CASES:
         cfg = config_lib.from_dict(json.loads(json.dumps(vp._config(mesh, LAYOUT, model, 2048, 16, k))))
         step = parts.abstract_step(cfg, mesh_lib.build_mesh(cfg.mesh, target.devices[:8]))
-        per_pass = estimates.pass_kernels(cfg, step)
+        per_pass = estimates.pass_kernels(step)
         sched = step.plan.schedule
         share = stages.layer_share(models.family(cfg.model.name), cfg.model, step.element_spec)
         passes = k * stages.compute_scale(sched, share)  # a stage's share of each pass (1: no stage axis)
         estimated = per_pass * passes
-        compiled = timing.predict(cfg, step, step.lower().compile(), topo, 0.0).kernels
+        compiled = timing.predict(step, step.lower().compile(), topo, 0.0).kernels
         ok &= estimated <= compiled
         print(f"{cfg.mesh_str:<24} {k:>5} {per_pass:>8} {estimated:>9.0f} {compiled:>9} {compiled / estimated:>6.2f}")
     return 0 if ok else 1

@@ -349,10 +349,10 @@ def measure(path: str, overrides: list[str], beyond: bool = False) -> dict:
     if reason:
         row["beyond_scope"] = reason
     step = parts.abstract_step(cfg)
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     xla = aot.memory(step.lower().compile())
     by_label: dict[str, int] = {}  # saved activations by checkpoint_name tag (else the op that makes them)
-    for r in trace.saved_activations(cfg, step):
+    for r in trace.saved_activations(step):
         by_label[r.label] = by_label.get(r.label, 0) + r.total
     return {
         **row, "analytic": plan.categories, "exact": sorted(plan.exact),
@@ -394,7 +394,7 @@ def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
         lowered = step.lower()
         out = {"compiled_for": target.compiled_for, "lowerings": {}}
         for lowering, options in LOWERINGS.items():
-            plan = memory.analytic(cfg, step, compiler_options=options)  # the matmuls' lowering follows the options
+            plan = memory.analytic(step, compiler_options=options)  # the matmuls' lowering follows the options
             with compile_cache.suspended():  # a compile-only client cannot load cached programs back
                 compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
             text = compiled.as_text()

@@ -262,19 +262,22 @@ def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
     cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
     target = gpu_target.target(topology.load(row.topology), cfg.mesh)
     spec = {"tokens": ((cfg.data.length + 1,), np.dtype(np.int32))}
-    plan = memory.analytic(cfg, parts.abstract_step(cfg, devices=target.devices, element_spec=spec))
+    plan = memory.analytic(parts.abstract_step(cfg, devices=target.devices, element_spec=spec))
     c = plan.categories
     return plan.total - c["queued_inputs"] - c.get("relay_inputs", 0), xla
 
 
 def predict(row: Row, text: str):
+    from meshpar import models
     from meshpar.configuration import config as config_lib
     from meshpar.plan import topology
     from meshpar.plan.time import timing
 
     cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
     mesh = dict(cfg.mesh)
-    return timing.predict(cfg, mesh, text, topology.load(row.topology))
+    return timing.predict_program(
+        text, mesh, models.traits(cfg.model).compute_dtype, cfg.feed.prefetch, topology.load(row.topology)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Runner:
         started = time.perf_counter()
         self.compiled = row.compiled or step.lower().compile()  # the search's own, where it compiled it
         self.compile_s = time.perf_counter() - started
-        self.hlo = timing.predict(row.cfg, step, self.compiled, topo, row.estimate.feed_s)
+        self.hlo = timing.predict(step, self.compiled, topo, row.estimate.feed_s)
         self.state = step.plan.materialize(step.layout, step.mesh)
         self.batches = [_batch(step, i) for i in range(2)]
         self.flags = stop.make_flags(step.mesh, 0)

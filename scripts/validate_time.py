@@ -13,7 +13,7 @@ never from these experiments. Per experiment, ``--rounds`` rounds of:
   collectives read from the HLO (:func:`meshpar.plan.time.timing.predict`, no feed), and the
   placement of one batch in each feed mode (:func:`meshpar.plan.time.feed_time.placement_time`);
 * **measure**: that same compiled program run in this process on the experiment's real
-  materialised state and placed batches (as ``python -m meshpar.train`` builds them, with
+  materialised state and placed batches (``scripts/common.py``) (as ``python -m meshpar.train`` builds them, with
   ``feed.prefetch=0``), ``--steps`` steps after a warm-up, each waited for
   (``block_until_ready``) before the next is dispatched, so a step's time is one run of the
   program with nothing overlapping it; the median. Placement: each mode's feeder (``direct``,
@@ -85,30 +85,22 @@ def measure(path: str, args, workdir: str) -> dict:
     from meshpar.configuration import config as config_lib
     from meshpar.plan import cost
     from meshpar.plan.time import feed_time, timing
-    from meshpar.processes import stop
-    from meshpar.run import experiment
 
     overrides = [
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "feed.prefetch=0",
         f"workdir={workdir}/{path.replace('/', '_')}",
     ]  # fmt: skip
     cfg = config_lib.load(path, overrides)
-    exp = experiment.build(cfg)
-    batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(4)]
-    flags = stop.make_flags(exp.mesh, 0)
-    # The program the run calls: compiled ahead of time by the memory pre-flight, else jitted.
-    compiled = getattr(exp.train_step, "compiled", None) or exp.train_step.lower(exp.state, batches[0], flags).compile()
-    text = compiled.as_text()
-    state, predictions, steps, times, placements, sources = exp.state, [], [], [], {m: [] for m in MODES}, []
-    exp.state = None  # donated to the steps below
+    running = common.materialize(cfg, batches=4)  # the program the run calls, on its arrays
+    exp, text = running.exp, running.step.compiled.as_text()
+    predictions, steps, times, placements, sources = [], [], [], {m: [] for m in MODES}, []
     for r in range(args.rounds):
         topology = _load(args.topology, fresh=not args.calibrate_once)
         sources.append(topology.source)
-        predicted = timing.predict(cfg, exp, text, topology)
+        predicted = timing.predict(running.step.parts, text, topology)
         predictions.append(predicted)
         warmup = args.warmup if r == 0 else 1
-        state, round_times = common.step_times(compiled, state, batches, flags, warmup + args.steps)
-        round_times = round_times[warmup:]
+        round_times = running.run(warmup + args.steps)[warmup:]
         steps.append(statistics.median(round_times))
         times.append(round_times)
         split = cost.config_split(cfg, topology)
@@ -118,7 +110,7 @@ def measure(path: str, args, workdir: str) -> dict:
                 topology, mode, split.batch_bytes, split.num_devices, split.shards, split.fields
             )
             placements[mode].append((guess, seconds, size, aliased))
-    del state, batches
+    del running
     middle = sorted(range(args.rounds), key=lambda i: predictions[i].total_s)[args.rounds // 2]
     row = {
         "config": path,

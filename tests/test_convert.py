@@ -22,8 +22,7 @@ from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.hf import export, reader, writer
 from meshpar.hf import load as hf_load
-from meshpar.run import experiment, init_from, loop
-from meshpar.run import hf_runs as runs
+from meshpar.run import experiment, hf_runs, init_from, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.sharding import layout as layout_lib
 from meshpar.step import parts
@@ -137,7 +136,7 @@ def test_init_from_hf_equals_from_hf_then_resume_and_init_from_a_run_converts_it
     def cfg(*overrides):
         return config.load(yaml_path, list(overrides))
 
-    runs.from_hf(cfg(f"workdir={work}"), hf, work)
+    hf_runs.from_hf(cfg(f"workdir={work}"), hf, work)
     direct = experiment.build(cfg(f"workdir={tmp_path / 'direct'}", f"checkpoint.init_from={hf}"))
     resumed = experiment.build(cfg(f"workdir={work}", "checkpoint.resume=auto"))
     resumed.checkpointer.close()

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshpar import models
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.models import decoder, transformer
@@ -74,7 +75,9 @@ def test_param_layout_is_checked_against_every_parameter():
         }  # fmt: skip
         cfg = config.from_dict(raw)
         spec = make_source(cfg.data, "train", 0).element_spec
-        return parts.plan_model(cfg, mesh, Layout.create(cfg.layout, dict(mesh.shape)), spec, 10)
+        return parts.plan_model(
+            cfg, models.family(cfg.model.name), mesh, Layout.create(cfg.layout, dict(mesh.shape)), spec, 10
+        )
 
     _, ok = plan("embed:(replica,data)")  # 12 = 3 × 4
     assert ok.shardings.params["blocks"]["w_in"].get_value().spec == P(None, ("replica", "data"), "model")
@@ -144,7 +147,9 @@ def test_fsdp_trains_like_the_plain_layout_and_resumes_from_its_checkpoints(tmp_
     plain_losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     # The same 20 batches through the FSDP layout's own state and step.
     cfg = _load(tmp_path, FSDP)
-    tx, plan = parts.plan_model(cfg, plain.mesh, plain.layout, plain.inputs.element_spec, cfg.train.steps)
+    tx, plan = parts.plan_model(
+        cfg, models.family(cfg.model.name), plain.mesh, plain.layout, plain.inputs.element_spec, cfg.train.steps
+    )
     step = trainer.make_train_step(plan.graphdef, tx, plain.layout, plain.mesh, plan.shardings, plain.inputs.shardings)
     state, flags, fsdp_losses = plan.materialize(plain.layout, plain.mesh), stop.make_flags(plain.mesh, 0), []
     for i in range(20):

@@ -60,7 +60,7 @@ def test_the_step_estimate_is_within_ten_percent_of_xla_gpu_under_both_gemm_lowe
         if lowering == "cublas":  # the option took effect: the matmuls are cuBLAS calls
             assert "__cublas$lt$matmul" in compiled.as_text()
         xla = aot.memory(compiled)["total_bytes"]
-        estimate = _step_total(memory.analytic(cfg, step, compiler_options=options))
+        estimate = _step_total(memory.analytic(step, compiler_options=options))
         assert abs(estimate - xla) <= 0.10 * xla, (lowering, estimate, xla)
 
 
@@ -68,9 +68,9 @@ def test_the_model_is_traced_as_the_gpu_program_runs_its_layer_loop():
     # XLA:CPU runs these two layers as straight-line code, a GPU as a loop: traced for the host,
     # the model would fuse residuals the GPU program stacks (the quickstart: 39% low)
     cfg, step = _gpu_step("experiments/quickstart.yaml", TINY_TRANSFORMER)
-    assert any(r.rolled for r in trace.saved_activations(cfg, step))
+    assert any(r.rolled for r in trace.saved_activations(step))
     cpu = parts.abstract_step(cfg)
-    assert not any(r.rolled for r in trace.saved_activations(cfg, cpu))
+    assert not any(r.rolled for r in trace.saved_activations(cpu))
 
 
 def test_a_matmuls_scratch_is_its_gemms_own_buffers_under_each_lowering():
@@ -100,8 +100,8 @@ def test_the_matmuls_scratch_is_counted_where_the_backward_runs_them(lowering, m
     options = LOWERINGS[lowering]
     compiled = step.lower().compile(compiler_options=options) if options else step.lower().compile()
     xla = aot.memory(compiled)["total_bytes"]
-    estimate = _step_total(memory.analytic(cfg, step, compiler_options=options))
+    estimate = _step_total(memory.analytic(step, compiler_options=options))
     assert abs(estimate - xla) <= 0.10 * xla, (estimate, xla)
     monkeypatch.setattr(gemm, "matmul_scratch", lambda *args: (0, {}))
-    without = _step_total(memory.analytic(cfg, step, compiler_options=options))
+    without = _step_total(memory.analytic(step, compiler_options=options))
     assert estimate > without and abs(without - xla) > 0.10 * xla, (without, xla)

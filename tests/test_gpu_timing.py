@@ -259,8 +259,9 @@ def test_async_collectives_are_counted_once_with_their_bytes(lowering):
     ]
     # The one GEMM's FLOPs and nothing else: a reduce-scatter's reducer is no compute counted.
     assert timing.hlo_flops(program) == 2 * 256 * 16 * 64
-    predicted = timing.predict(lm_config("lm_rolled"), MANIFEST["collectives"]["mesh"], program,
-                               topology.load(MANIFEST["topology"]))  # fmt: skip
+    lm = lm_config("lm_rolled")
+    predicted = timing.predict_program(program, MANIFEST["collectives"]["mesh"], lm.model.compute_dtype,
+                                       lm.feed.prefetch, topology.load(MANIFEST["topology"]))  # fmt: skip
     assert {c.kind for c in predicted.collectives} == {
         "all-to-all",
         "collective-permute",

@@ -21,9 +21,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from input_pipeline import grain_compat
-from meshpar import jax_compat
+from meshpar import jax_compat, jaxprs
+from meshpar.configuration import config
 from meshpar.plan import gpu_target, topology
-from meshpar.step import aot
+from meshpar.plan.time import gemm
+from meshpar.step import aot, parts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +58,7 @@ print("ok")
 
 
 def test_coordination_client_is_the_key_value_store_jax_distributed_made(env):
-    # What meshpar.processes.distributed uses of it: overwritten heartbeats, one read of a folder of
+    # What meshpar.processes.together uses of it: overwritten heartbeats, one read of a folder of
     # keys, blocking reads, and a timeout told by its duration (not by jax's message).
     out = subprocess.run([sys.executable, "-c", _CLIENT], check=False, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)  # fmt: skip
@@ -272,10 +274,25 @@ self._private
     assert not _LIST_OF_STATS.search("t = compiled.memory_analysis().temp_size_in_bytes")
 
 
-def test_the_cublas_workspace_rule_names_the_jaxlib_it_holds_for():
-    # jaxlib 0.10 (the main suite) is the one the memory model's cuBLAS figure is checked on.
-    newer = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
-    assert jax_compat.step_cublas_workspace_exceeds_lone() == newer
+@pytest.mark.gpu_target
+def test_the_cublas_workspace_rule_is_what_this_jaxlibs_xla_gpu_does():
+    # The rule against the fact it stands for: a small MLP's train step compiled deviceless for
+    # an H100 with its matmuls lowered to cuBLAS calls (Triton GEMMs off), and each of the step's
+    # matmuls compiled alone for the same device, the way the memory model's probe compiles them;
+    # a cuBLAS call's workspace is the s8 element of its result.
+    cfg = config.from_dict({
+        "mesh": "data:8", "model": {"name": "mlp", "hidden": [512, 256]}, "train": {"batch_size": 256},
+        "data": {"num_features": 256, "num_examples": 512, "num_eval_examples": 0},
+    })  # fmt: skip
+    step = parts.abstract_step(cfg, devices=gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh).devices)
+    options = {"xla_gpu_enable_triton_gemm": False}
+    text = step.lower().compile(compiler_options=options).as_text()
+    in_step = max(int(n) for n in re.findall(r"s8\[(\d+)\]", text))
+    device = step.mesh.devices.flat[0]
+    matmuls = [e for j in jaxprs.nested(step.step.trace(*step.args).jaxpr) for e in j.eqns if jaxprs.is_matmul(e)]
+    alone = max(gemm.lone_matmul_scratch(device, tuple(options.items()), e)[0] for e in matmuls)
+    assert in_step > 0 and alone > 0
+    assert jax_compat.step_cublas_workspace_exceeds_lone() == (in_step > alone), (in_step, alone)
 
 
 # What each shim over a private API does, on the installed jax, Python and Grain.

@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from meshpar.configuration.config import ConfigError
-from meshpar.models.transformer import TransformerConfig
 from meshpar.plan import hlo, topology
 from meshpar.plan.time import kernels, timing
 
@@ -112,23 +111,16 @@ ENTRY %main (g: f32[8388608], x: f32[4096,4096]) -> (f32[8388608], f32[4096,4096
 """
 
 
-class _Cfg:
-    model = TransformerConfig(compute_dtype="bfloat16")  # read through its family's traits
-
-    class feed:
-        prefetch = 2
-
-
 def test_an_async_collective_hides_behind_the_compute_scheduled_beside_it():
     topo = topology.load("h100-sxm-8")
     mesh = {"data": 8}
-    overlapped = timing.predict(_Cfg, mesh, ASYNC, topo)
+    overlapped = timing.predict_program(ASYNC, mesh, "bfloat16", 2, topo)
     # The same program with the two fusions after the all-reduce's -done: nothing to hide behind.
     lines = ASYNC.splitlines()
     done = next(i for i, line in enumerate(lines) if "all-reduce-done" in line)
     first = next(i for i, line in enumerate(lines) if "%f1 =" in line)
     serial_text = "\n".join(lines[:first] + [lines[done]] + lines[first:done] + lines[done + 1 :])
-    serial = timing.predict(_Cfg, mesh, serial_text, topo)
+    serial = timing.predict_program(serial_text, mesh, "bfloat16", 2, topo)
     assert serial.collective_s == overlapped.collective_s > 0
     assert serial.compute_s == overlapped.compute_s > 0
     assert serial.hidden_s == 0

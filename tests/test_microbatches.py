@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 
+from meshpar import models
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
 from meshpar.plan import topology
@@ -31,7 +32,9 @@ def test_microbatched_steps_train_like_one_batch(tmp_path):
     # of the whole batch at once, to float reassociation.
     cfg = _cfg(tmp_path)
     exp = experiment.build(cfg)
-    tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, cfg.train.steps)
+    tx, plan = parts.plan_model(
+        cfg, models.family(cfg.model.name), exp.mesh, exp.layout, exp.inputs.element_spec, cfg.train.steps
+    )
     flags = stop.make_flags(exp.mesh, 0)
     batches = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(4)]
     micro = trainer.make_train_step(plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings, 4)
@@ -92,6 +95,6 @@ def test_gradients_are_reduced_once_per_step_not_per_microbatch(tmp_path, layout
     for k in (1, 4):
         cfg = _cfg(tmp_path, *layout, f"train.microbatches={k}")
         text = aot.compile_train_step(cfg).as_text()
-        step = timing.predict(cfg, dict(cfg.mesh), text, topology.load("cpu-sim"))
+        step = timing.predict_program(text, dict(cfg.mesh), "float32", cfg.feed.prefetch, topology.load("cpu-sim"))
         moved[k] = sum(c.bytes for c in step.collectives if c.kind == "all-reduce")
     assert moved[1] > 0 and moved[4] < 1.25 * moved[1], moved

@@ -24,7 +24,7 @@ from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
 from meshpar.sharding import stages as pipeline
 from meshpar.sharding import tracing
-from meshpar.step import parts, trainer
+from meshpar.step import parts, programs, trainer
 from meshpar.step.inputs import batch_shardings
 from tests.test_moe import SPEC, TINY, _batch, _one_line
 from tests.test_pipeline import RTOL
@@ -123,5 +123,6 @@ def test_the_train_command_exits_2_on_routing_groups_that_span_sequences(tmp_pat
 @pytest.mark.slow
 def test_the_planner_plans_a_pipelined_moe_model():
     cfg = config.load(MOE_TINY, [*STAGED, "train.progress=false"])
-    planned = report.plan(cfg)
+    step = parts.abstract_step(cfg)
+    planned = report.plan(step, programs.compile_all(step))
     assert planned.fits

@@ -154,7 +154,7 @@ def test_unused_rules_names_dims_and_axes():
         "model": TRANSFORMER, "train": {"batch_size": 8},
     })  # fmt: skip
     step = parts.abstract_step(cfg, parts.make_mesh(cfg), TRANSFORMER_SPEC)
-    assert parts.unused_rules(cfg, step.mesh, step.plan) == [
+    assert parts.unused_rules(step) == [
         LAYOUT_LINE,
         "param_layout: unused rules (the mesh has no axis replica)",
     ]

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from meshpar import models
 from meshpar.configuration import config, errors
 from meshpar.configuration.config import ConfigError
 from meshpar.processes import stop
@@ -109,7 +110,7 @@ def test_optimizer_and_param_offload_train_bit_identically_with_state_in_pinned_
 def test_activation_offload_matches_the_same_names_saved_on_device(tmp_path, setting):
     cfg = _cfg(tmp_path, f"offload.activations={setting}", "plan.check=false")
     exp = experiment.build(cfg)
-    tx, plan = parts.plan_model(cfg, exp.mesh, exp.layout, exp.inputs.element_spec, 8)
+    tx, plan = parts.plan_model(cfg, models.family(cfg.model.name), exp.mesh, exp.layout, exp.inputs.element_spec, 8)
     step_args = (plan.graphdef, tx, exp.layout, exp.mesh, plan.shardings, exp.inputs.shardings, 1, setting)
     saved = trainer.make_train_step(*step_args, activations_memory="device")
     flags = stop.make_flags(exp.mesh, 0)
@@ -117,7 +118,7 @@ def test_activation_offload_matches_the_same_names_saved_on_device(tmp_path, set
     # The offloading program moves every name its policy lists to host memory (each a residual);
     # the reference keeps them on the devices.
     moved = offload.names_moved_to_host(exp.train_step.trace(exp.state, batches[0], flags).jaxpr)
-    assert moved == set(offload.ACTIVATION_NAMES[setting])
+    assert moved == set(models.family(cfg.model.name).kept_activations(setting))
     assert offload.names_moved_to_host(saved.trace(exp.state, batches[0], flags).jaxpr) == set()
     losses = {}
     fresh = plan.materialize(exp.layout, exp.mesh)  # the same initial state (exp.state is donated below)

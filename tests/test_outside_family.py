@@ -130,7 +130,7 @@ def _estimate(cfg, topo):
     sizes = dict(step.mesh.shape)
     stage = "stage" in sizes
     option = options_lib.Option(tuple(sizes.items()), ("data",), False, False, None, stage)
-    return estimates.estimate(cfg, option, step, memory.analytic(cfg, step), topo, options_lib.model_dims(cfg))
+    return estimates.estimate(step, option, memory.analytic(step), topo, options_lib.model_dims(cfg))
 
 
 def test_the_planner_sees_the_stack_the_width_and_remat_by_the_familys_traits():

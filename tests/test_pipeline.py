@@ -221,7 +221,7 @@ def test_a_stage_axis_on_a_model_without_a_layer_stack_is_refused():
 def test_gpipe_with_fewer_microbatches_than_stages_runs_and_says_its_bubble(capsys):
     cfg = config.load(EXPERIMENT, ["train.microbatches=1"])
     step = parts.abstract_step(cfg)
-    parts.say_unused_rules(cfg, step.mesh, step.plan)
+    parts.say_unused_rules(step)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "train.microbatches 1 < 2 pipeline stages: each stage idles 50% of the step (bubble (S-1)/(M+S-1)); "

@@ -40,7 +40,7 @@ def _device0_bytes(tree) -> int:
 )
 def test_params_optimizer_and_inputs_are_the_bytes_of_the_real_shards(tmp_path, path, overrides):
     cfg = config.load(path, [*overrides, f"workdir={tmp_path}"])
-    plan = memory.analytic(cfg)
+    plan = memory.analytic(parts.abstract_step(cfg))
     assert plan.exact == {"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"}
     assert list(plan.categories)[:7] == [
         "params", "grads", "optimizer", "activations", "workspace", "inputs", "queued_inputs"
@@ -67,9 +67,9 @@ def test_params_optimizer_and_inputs_are_the_bytes_of_the_real_shards(tmp_path, 
 
 def test_activations_fall_with_remat_and_with_microbatches():
     def activations(*overrides):
-        return memory.analytic(config.load("experiments/quickstart.yaml", [*TINY_TRANSFORMER, *overrides])).categories[
-            "activations"
-        ]
+        return memory.analytic(
+            parts.abstract_step(config.load("experiments/quickstart.yaml", [*TINY_TRANSFORMER, *overrides]))
+        ).categories["activations"]
 
     none, dots, full = (activations(f"model.remat={r}") for r in ("none", "dots", "full"))
     assert full < dots < none
@@ -79,19 +79,23 @@ def test_activations_fall_with_remat_and_with_microbatches():
     # the unrolled layer loop keeps each layer's slice of the stored stacks
     plain = config.load("experiments/quickstart.yaml", TINY_TRANSFORMER)
     plain_step, plain_read = parts.abstract_step(plain), set()
-    kept = sum(r.total for r in trace.saved_activations(plain, plain_step, read=plain_read))
-    sliced = gathers.gathers(plain, plain_step, plain_read).kept  # every layer's slice of each weight stack
+    kept = sum(r.total for r in trace.saved_activations(plain_step, read=plain_read))
+    sliced = gathers.gathers(plain_step, plain_read).kept  # every layer's slice of each weight stack
     assert sliced > 0 and none == kept + sliced
     cfg = config.load("experiments/transformer_fsdp.yaml", TINY_TRANSFORMER)
     step, read = parts.abstract_step(cfg), set()
-    assert sum(r.total for r in trace.saved_activations(cfg, step, read=read)) == kept
-    gathered = gathers.gathers(cfg, step, read).kept
-    assert gathered > sliced and memory.analytic(cfg, step).categories["activations"] == kept + gathered
+    assert sum(r.total for r in trace.saved_activations(step, read=read)) == kept
+    gathered = gathers.gathers(step, read).kept
+    assert gathered > sliced and memory.analytic(step).categories["activations"] == kept + gathered
 
 
 def test_a_model_parallel_split_divides_the_split_weights_state():
-    one = memory.analytic(config.load("experiments/mlp_model_parallel.yaml", [*TINY_MLP, "mesh=data:8,model:1"]))
-    two = memory.analytic(config.load("experiments/mlp_model_parallel.yaml", [*TINY_MLP, "mesh=data:4,model:2"]))
+    one = memory.analytic(
+        parts.abstract_step(config.load("experiments/mlp_model_parallel.yaml", [*TINY_MLP, "mesh=data:8,model:1"]))
+    )
+    two = memory.analytic(
+        parts.abstract_step(config.load("experiments/mlp_model_parallel.yaml", [*TINY_MLP, "mesh=data:4,model:2"]))
+    )
     # hidden is split over model: the [48, 64] and [64, 32] kernels and the hidden bias halve
     split = (48 * 64 + 64 + 64 * 32) * 4
     assert one.categories["params"] - two.categories["params"] == split // 2
@@ -101,8 +105,9 @@ def test_an_absurd_layer_is_planned_in_seconds_without_allocating(env):
     code = (
         "import time, jax; jax.config.update('jax_num_cpu_devices', 8); t = time.perf_counter()\n"
         "from meshpar.configuration import config; from meshpar.plan.memory import analytic as memory\n"
+        "from meshpar.step import parts\n"
         "cfg = config.load('experiments/mlp_model_parallel.yaml', ['model.hidden=[2000000000,256]'])\n"
-        "b = memory.analytic(cfg); print(b.categories['params'], b.total, time.perf_counter() - t)\n"
+        "b = memory.analytic(parts.abstract_step(cfg)); print(b.categories['params'], b.total, time.perf_counter() - t)\n"
         "print(sum(a.nbytes for a in jax.live_arrays()))\n"
     )
     out = subprocess.run(
@@ -130,7 +135,7 @@ def test_the_step_estimate_is_within_ten_percent_of_xla(path, overrides):
     # attention's one key/value head whole on every device while the query heads are split
     cfg = config.load(path, overrides)
     step = parts.abstract_step(cfg)
-    c = memory.analytic(cfg, step).categories
+    c = memory.analytic(step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.10 * xla, (step_total, xla)
@@ -148,7 +153,7 @@ def test_gathered_parameters_are_counted_under_param_layout(extra):
     # their all-reduced copies dwarf the stored shards; counting only the shards runs ~50% low
     cfg = config.load("experiments/mlp_data_parallel.yaml", [*FSDP_MLP, *extra])
     step = parts.abstract_step(cfg)
-    c = memory.analytic(cfg, step).categories
+    c = memory.analytic(step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.10 * xla, (step_total, xla)
@@ -176,7 +181,7 @@ LARGE_VOCAB = ["mesh=data:8", "layout=batch:data", "model.vocab_size=4096"]
 def test_a_large_vocabulary_is_counted_as_xla_holds_it(path, overrides):
     cfg = config.load(path, overrides)
     step = parts.abstract_step(cfg)
-    c = memory.analytic(cfg, step).categories
+    c = memory.analytic(step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.05 * xla, (step_total, xla)
@@ -269,23 +274,28 @@ def test_the_batch_is_an_argument_not_a_saved_activation():
     # stop_gradient lowers to nothing: the model's first matmul reads the batch argument itself
     cfg = config.load("experiments/mlp_model_parallel.yaml", TINY_MLP)
     rows = cfg.train.batch_size // 4  # data:4
-    kept = trace.saved_activations(cfg, parts.abstract_step(cfg))
+    kept = trace.saved_activations(parts.abstract_step(cfg))
     assert all(r.nbytes != rows * cfg.data.num_features * 4 for r in kept)
 
 
 def test_gradients_are_held_together_only_when_the_update_needs_them_together():
     one_by_one = ["mesh=model:8", "layout=hidden:model", "optimizer.name=sgd"]
     cfg = config.load("experiments/mlp_model_parallel.yaml", [*TINY_MLP, *one_by_one])
-    plan = memory.analytic(cfg)
+    plan = memory.analytic(parts.abstract_step(cfg))
     # no clipping, nothing summed or re-placed: each gradient updates its parameter as it is produced
     assert plan.categories["grads"] == 48 * 64 // 8 * 4  # the largest: the [48, 64] kernel's shard
     clipped = memory.analytic(
-        config.load(
-            cfg_path := "experiments/mlp_model_parallel.yaml", [*TINY_MLP, *one_by_one, "optimizer.grad_clip_norm=1.0"]
+        parts.abstract_step(
+            config.load(
+                cfg_path := "experiments/mlp_model_parallel.yaml",
+                [*TINY_MLP, *one_by_one, "optimizer.grad_clip_norm=1.0"],
+            )
         )
     )
     assert clipped.categories["grads"] == clipped.categories["params"]  # the global norm needs every one
-    summed = memory.analytic(config.load(cfg_path, TINY_MLP))  # data:4: the devices sum every gradient
+    summed = memory.analytic(
+        parts.abstract_step(config.load(cfg_path, TINY_MLP))
+    )  # data:4: the devices sum every gradient
     assert summed.categories["grads"] == summed.categories["params"]
 
 
@@ -293,7 +303,7 @@ def test_microbatches_hold_the_batch_in_microbatch_major_order():
     # splitting rows i, i + k, … into microbatch i is a transpose: XLA writes out a copy of the batch
     overrides = [*TINY_MLP, "model.hidden=[8]", "data.num_features=1024", "train.batch_size=256",
                  "mesh=model:8", "layout=hidden:model", "train.microbatches=2"]  # fmt: skip
-    c = memory.analytic(config.load("experiments/mlp_model_parallel.yaml", overrides)).categories
+    c = memory.analytic(parts.abstract_step(config.load("experiments/mlp_model_parallel.yaml", overrides))).categories
     assert c["grads"] + c["activations"] + c["workspace"] >= 256 * 1024 * 4  # the whole batch, float32
 
 
@@ -330,7 +340,7 @@ def test_residuals_die_in_reverse_order_as_the_gradients_are_produced(overrides)
         [*overrides, "data.num_examples=2048", "data.num_eval_examples=0", "train.eval_every=0"],
     )
     step = parts.abstract_step(cfg)
-    c = memory.analytic(cfg, step).categories
+    c = memory.analytic(step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.05 * xla, (step_total, xla)
@@ -385,7 +395,7 @@ def test_an_update_holds_what_it_shares_with_the_gradient_norm():
 def test_a_layer_loop_run_as_a_loop_holds_one_iterations_slices_and_gathers(extra):
     cfg = config.load("experiments/quickstart.yaml", [*TINY_TRANSFORMER, *extra])
     step = parts.abstract_step(cfg)
-    c = memory.analytic(cfg, step).categories
+    c = memory.analytic(step).categories
     step_total = sum(c[k] for k in ("params", "grads", "optimizer", "activations", "workspace", "inputs"))
     xla = aot.memory(step.lower().compile())["total_bytes"]
     assert abs(step_total - xla) <= 0.10 * xla, (step_total, xla)
@@ -449,7 +459,7 @@ def test_dropless_dispatch_with_replicated_experts_is_within_the_target_of_xla()
                                                     "data.max_bytes=200000", "train.progress=false"])  # fmt: skip
     assert memory.out_of_scope(cfg, "cpu") is None
     step = parts.abstract_step(cfg)
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     xla = aot.memory(step.lower().compile())
     total = plan.total - plan.categories["queued_inputs"]
     assert abs(total - xla["total_bytes"]) / xla["total_bytes"] <= 0.10

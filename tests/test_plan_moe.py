@@ -37,7 +37,7 @@ def _step(overrides: list[str]):
 def test_memory_of_an_moe_step_is_within_the_validation_target_of_xla(overrides):
     cfg, step = _step(overrides)
     assert memory.out_of_scope(cfg, "cpu") is None
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     xla = aot.memory(step.lower().compile())
     total = plan.total - plan.categories["queued_inputs"]
     assert abs(total - xla["total_bytes"]) / xla["total_bytes"] <= 0.10
@@ -45,7 +45,7 @@ def test_memory_of_an_moe_step_is_within_the_validation_target_of_xla(overrides)
 
 def test_one_devices_trace_dispatches_over_every_expert_and_runs_its_own():
     cfg, step = _step([SLICED])  # data:2,expert:4: 2 of the 8 experts per device, 32 of the 64 groups of 64 tokens
-    kept = trace.saved_activations(cfg, step)
+    kept = trace.saved_activations(step)
     slots = 20  # ceil(1.25 · 64 · 2 / 8)
     per_layer = {r.nbytes for r in kept}
     assert 32 * 64 * 8 * slots * 4 in per_layer  # dispatch / combine [groups, group, experts, capacity], all 8 experts
@@ -55,7 +55,7 @@ def test_one_devices_trace_dispatches_over_every_expert_and_runs_its_own():
 @pytest.mark.parametrize("overrides, axis", [([], "expert"), ([SLICED], None)])
 def test_planned_all_to_all_bytes_are_the_compiled_programs(overrides, axis):
     cfg, step = _step(overrides)
-    planned = reshards.all_to_alls(cfg, step)
+    planned = reshards.all_to_alls(step)
     measured: dict[str, int] = {}
     for kind, nbytes, axes in timing.collectives(step.lower().compile(), step.mesh):
         if kind == "all-to-all":
@@ -76,7 +76,7 @@ def test_all_to_alls_are_priced_on_their_axiss_link():
     assert cost.axis_link(across, mesh, "expert") is across.node_link
 
     def priced(topo) -> timing.StepTime:
-        return timing.predict(cfg, step, compiled, topo)
+        return timing.predict(step, compiled, topo)
 
     nvlink, network = priced(within), priced(across)
     assert [c.axis for c in network.collectives if c.kind == "all-to-all"] == ["expert"]

@@ -23,7 +23,7 @@ from meshpar.plan.out_of_core import offload_cost, offload_plan
 from meshpar.plan.search import candidates
 from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
-from meshpar.step import aot, parts
+from meshpar.step import aot, parts, programs
 
 QUICKSTART = "experiments/quickstart.yaml"
 OFFLOAD = pathlib.Path("experiments/offload.yaml")
@@ -42,18 +42,18 @@ def _state_bytes(step, tree: str) -> int:
 
 def test_host_column_is_the_offloaded_trees_shard_bytes():
     cfg, step = _step(QUICKSTART)
-    base = memory.analytic(cfg, step)
+    base = memory.analytic(step)
     assert base.host == {} and base.host_total == 0
     opt = _state_bytes(step, "opt_state")
     cfg, step = _step(QUICKSTART, "offload.optimizer=true")
-    off = memory.analytic(cfg, step)
+    off = memory.analytic(step)
     assert offload_plan.placement(cfg, step.plan).from_shardings  # the state plan says pinned_host
     assert off.host == {"optimizer": opt}
     assert off.categories["optimizer"] == base.categories["optimizer"] - opt  # step counter and RNG key stay
     assert off.total == base.total - opt  # the quickstart peaks in its backward pass, not in the update
     cfg, step = _step(QUICKSTART, "offload.params=true")
     params = _state_bytes(step, "params")
-    off = memory.analytic(cfg, step)
+    off = memory.analytic(step)
     assert off.host["params"] == params and "params" not in off.exact
     w = offload_plan.weights(step.plan, step.layout, step.mesh)
     assert off.categories["params"] == w.layer + w.other < params  # one layer's slice and the rest
@@ -73,11 +73,11 @@ def test_offloaded_activations_are_the_named_values(policy):
         "mlp_hidden": tokens * m.d_ff // 2,
     }  # fmt: skip
     names = offload_plan.OFFLOADED_NAMES[policy]
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     assert plan.host == {"activations": m.n_layers * f32 * sum(per_layer[n] for n in names)}
     # Everything else is recomputed: the device keeps what remat full keeps.
     full_cfg, full_step = _step(QUICKSTART, "model.remat=full")
-    assert plan.categories["activations"] == memory.analytic(full_cfg, full_step).categories["activations"]
+    assert plan.categories["activations"] == memory.analytic(full_step).categories["activations"]
 
 
 def test_xla_figures_leave_out_the_pinned_host_state():
@@ -120,11 +120,13 @@ def test_offload_experiment_is_refused_without_and_accepted_with():
     )
     cfg, step = _step(OFFLOAD)
     assert cfg.offload.optimizer
-    breakdown, cap = preflight.check_analytic(cfg, step, step.element_spec)
+    verdict = preflight.check_analytic(step)
+    breakdown, cap = verdict.breakdown, verdict.capacity
     assert breakdown.total <= cap.usable_bytes < breakdown.total + breakdown.host["optimizer"]
     assert f"{breakdown.total / MIB:.2f} MiB" in header and f"{breakdown.host['optimizer'] / MIB:.2f} MiB" in header
-    compiled = preflight.check_compiled(cfg, step, step.element_spec, breakdown, cap)
-    assert "train step" in compiled  # XLA's figures, less the host state, fit too
+    judged = preflight.check_compiled(step, programs.compile_all(step), verdict)
+    assert judged.needed_bytes <= cap.usable_bytes  # XLA's figures, less the host state, fit too
+    assert judged.report.xla["host_total_bytes"] > 0  # the offloaded optimizer state is taken out of them
 
 
 @pytest.mark.slow
@@ -236,7 +238,7 @@ def offloaded():
         cfg = config.load(QUICKSTART, [*DP, *overrides])
         step = parts.abstract_step(cfg)
         out[label] = (
-            offload_cost.prepare(cfg, step, offload_cost.Option(label, overrides)),
+            offload_cost.prepare(step, offload_cost.Option(label, overrides)),
             _program_passes(cfg, step),
         )
     return out

@@ -40,7 +40,7 @@ def _planned(cfg, mesh, layout, stage):
 def _estimate(cfg, topo, mesh, layout, stage):
     """The search's analytic estimate of `cfg` with `mesh` and `layout`, as the search plans it."""
     new, step, option = _planned(cfg, mesh, layout, stage)
-    return estimates.estimate(new, option, step, memory.analytic(new, step), topo, options_lib.model_dims(new))
+    return estimates.estimate(step, option, memory.analytic(step), topo, options_lib.model_dims(new))
 
 
 def _tick_loops(step) -> list[tuple[int, int, int]]:
@@ -80,7 +80,7 @@ def test_more_microbatches_lower_bubble_and_time():
         # array is global over the data axis the batch is split on.
         t = stages.traffic(sched, rows=64 // 4, length=32, embed=64, itemsize=4)
         assert t.permutes == 2 * trips * sends and t.permute_bytes == traced_bytes / step.mesh.shape["data"]
-        est = estimates.estimate(cfg, option, step, memory.analytic(cfg, step), topo, options_lib.model_dims(cfg))
+        est = estimates.estimate(step, option, memory.analytic(step), topo, options_lib.model_dims(cfg))
         compute[m], stretch[m] = est.compute_s, trips / m
     assert compute[2] > compute[4] > compute[8]
     # The layers' compute is stretched by the traced ticks per microbatch, the rest (embedding,
@@ -105,7 +105,7 @@ def test_layer_params_per_device_fall_with_stages():
         layout = "batch:data; layers:stage" if s > 1 else "batch:data"
         cfg = options_lib.with_layout(_cfg("model.n_layers=4", "train.microbatches=2"), mesh, layout, "", s > 1)
         step = parts.abstract_step(cfg)
-        per_device[s] = memory.analytic(cfg, step).categories["params"]
+        per_device[s] = memory.analytic(step).categories["params"]
     assert per_device[1] > per_device[2] > per_device[4]
     stack = (per_device[1] - per_device[2]) * 2  # the stack's bytes, half of which a stage drops
     assert per_device[4] == pytest.approx(per_device[1] - stack * 3 / 4, rel=1e-6)
@@ -116,12 +116,12 @@ def test_prediction_against_compiled_on_an_untuned_shape():
     cfg = _cfg("mesh=stage:4,data:2", "layout=batch:data; layers:stage", "model.n_layers=8", "model.d_model=96",
                "model.d_head=48", "train.microbatches=4", "pipeline.schedule=circular", "pipeline.repeats=2")  # fmt: skip
     step = parts.abstract_step(cfg)
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     xla = aot.memory(step.lower().compile())
     total = plan.total - plan.categories["queued_inputs"]
     assert abs(total - xla["total_bytes"]) / xla["total_bytes"] < 0.10, (total, xla)
     # the fake (the non-pipelined model's one microbatch of residuals) would be far off
-    assert plan.categories["activations"] > 3 * sum(r.total for r in trace.saved_activations(cfg, step))
+    assert plan.categories["activations"] > 3 * sum(r.total for r in trace.saved_activations(step))
 
 
 @pytest.mark.gpu_target
@@ -139,7 +139,7 @@ def test_prediction_against_xla_gpu_with_the_head_and_the_tick_loop_in_view():
                "train.microbatches=2")  # fmt: skip
     target = gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh)
     step = parts.abstract_step(cfg, devices=target.devices)
-    plan = memory.analytic(cfg, step)
+    plan = memory.analytic(step)
     xla = aot.memory(step.lower().compile())["total_bytes"]
     total = plan.total - plan.categories["queued_inputs"]
     assert abs(total - xla) <= 0.10 * xla, (total, xla)
@@ -191,8 +191,8 @@ def test_preflight_proposes_a_stage_split_when_nothing_else_fits():
                "model.d_head=196", "train.batch_size=8", "offload.optimizer=true")  # fmt: skip
     cfg = options_lib.with_layout(cfg, "data:8", "batch:data", "", False)
     step = parts.abstract_step(cfg)
-    params = memory.analytic(cfg, step).categories["params"]
-    found = candidates.search(cfg, step, step.element_spec, int(params * 1.6))  # less than params + their gradients
+    params = memory.analytic(step).categories["params"]
+    found = candidates.search(step, int(params * 1.6))  # less than params + their gradients
     assert found.fit is not None, found
     changes = dict(found.fit.changes)
     assert "mesh" in changes, found

@@ -11,6 +11,7 @@ from meshpar.configuration import config
 from meshpar.plan import programs
 from meshpar.plan import report as report_lib
 from meshpar.step import parts
+from meshpar.step import programs as step_programs
 
 TINY = [
     "model.d_model=32", "model.n_heads=2", "model.d_head=16", "model.d_ff=64", "model.max_length=16",
@@ -27,8 +28,9 @@ def test_eval_and_digest_programs_are_planned_with_their_own_arguments(tmp_path)
         "experiments/transformer_fsdp.yaml",
         [*TINY, "train.eval_every=5", "checkpoint.every=5", "feed.prefetch=2", f"workdir={tmp_path}"],
     )
-    report = report_lib.plan(cfg)
-    state, batch, _ = parts.abstract_step(cfg).args
+    step = parts.abstract_step(cfg)
+    report = report_lib.plan(step, step_programs.compile_all(step))
+    state, batch, _ = step.args
     peaks = {p.program: p for p in report.programs}
     assert list(peaks) == ["train step", "eval step", "checkpoint digest"]
     # The eval step is given the parameters (FSDP shards) and one batch; the digest, the whole state.
@@ -52,7 +54,7 @@ def test_eval_and_digest_programs_are_planned_with_their_own_arguments(tmp_path)
 def test_only_the_programs_the_run_executes_are_planned(tmp_path, overrides, expected):
     cfg = config.load("experiments/quickstart.yaml", [*TINY, *overrides, f"workdir={tmp_path}"])
     step = parts.abstract_step(cfg)
-    peaks = programs.peaks(cfg, step, step.lower().compile())
+    peaks = programs.peaks(step, step_programs.compile_all(step))
     assert [p.program for p in peaks] == expected
     train = peaks[0].resident
     if cfg.feed.mode == "routed":  # what the real routed feeder holds on its relay beyond its own slice

@@ -18,10 +18,10 @@ import pytest
 
 from meshpar.configuration import config
 from meshpar.plan import __main__ as plan_cli
+from meshpar.plan import modes, pricing, topology
 from meshpar.plan import report as report_lib
-from meshpar.plan import topology
 from meshpar.plan.out_of_core import offload_cost
-from meshpar.step import parts
+from meshpar.step import parts, programs
 
 EXPERIMENTS = sorted(pathlib.Path(p).stem for p in glob.glob("experiments/*.yaml"))
 DOES_NOT_FIT = {"does_not_fit"}  # shows a refusal: its plan does not fit by design
@@ -51,9 +51,9 @@ def _params():
 def test_every_experiment_plans_on_every_topology(name):
     cfg = config.load(f"experiments/{name}.yaml", [])
     step = parts.abstract_step(cfg)
-    report = report_lib.plan(cfg, step)  # the train step compiled once, nothing allocated
-    topos = [plan_cli._topology(cfg, t) for t in topology.names()]
-    priced = plan_cli.price(cfg, step, report, topos)
+    report = report_lib.plan(step, programs.compile_all(step))  # compiled once, nothing allocated
+    topos = [modes.machine(cfg, t) for t in topology.names()]
+    priced = pricing.price(step, report, topos)
     assert [p.topology.name for p in priced] == topology.names()
     if name not in HOST_DEPENDENT:
         assert report.fits == (name not in DOES_NOT_FIT)
@@ -88,7 +88,7 @@ def test_every_experiment_has_its_options_and_machines_without_compiling(name):
     cfg = config.load(f"experiments/{name}.yaml", [])
     step = parts.abstract_step(cfg)
     skipped: list = []
-    options = offload_cost.options(cfg, step, skipped)
+    options = offload_cost.options(step, skipped)
     assert options[0].label.startswith("no offload") and len(options) + len(skipped) >= 11
     assert all(s.label == "param_layout" and s.reason.startswith("FSDP ") for s in skipped)
     fsdp = [o for o in options if o.label.startswith("param_layout=")]
@@ -96,7 +96,7 @@ def test_every_experiment_has_its_options_and_machines_without_compiling(name):
     for fsdp_option in fsdp:  # a rule that builds: never two dims of one parameter on one axis
         new = offload_cost.applied(cfg, fsdp_option.overrides)
         parts.abstract_step(new, step.mesh, step.element_spec)
-    held = [plan_cli._topology(cfg, t).num_devices >= step.mesh.size for t in topology.names()]
+    held = [modes.machine(cfg, t).num_devices >= step.mesh.size for t in topology.names()]
     assert held[topology.names().index(topology.CPU_SIM)]
 
 

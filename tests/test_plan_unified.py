@@ -37,8 +37,8 @@ def prepared():
     """The quickstart under unified memory, planned once (the machine is what the tests vary)."""
     cfg = config.load(QUICKSTART, list(UM))
     step = parts.abstract_step(cfg)
-    option = next(o for o in offload_cost.options(cfg, step) if o.kind == "unified")
-    return offload_cost.prepare(cfg, step, option)
+    option = next(o for o in offload_cost.options(step) if o.kind == "unified")
+    return offload_cost.prepare(step, option)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def plain():
     """The quickstart without unified memory, planned once."""
     cfg = config.load(QUICKSTART)
     step = parts.abstract_step(cfg)
-    return offload_cost.prepare(cfg, step, offload_cost.options(cfg, step)[0])
+    return offload_cost.prepare(step, offload_cost.options(step)[0])
 
 
 def test_a_step_that_fits_the_device_migrates_nothing_and_costs_what_it_costs_without(prepared, plain):
@@ -234,12 +234,10 @@ def test_a_topology_may_state_its_paging_and_a_bad_figure_is_named():
     assert topo.page_bytes == 64 << 10 and topo.fault_s == pytest.approx(5e-6)
     prepared_cfg = config.load(QUICKSTART, list(UM))
     step = parts.abstract_step(prepared_cfg)
-    option = next(o for o in offload_cost.options(prepared_cfg, step) if o.kind == "unified")
+    option = next(o for o in offload_cost.options(step) if o.kind == "unified")
     small = dataclasses.replace(topo, memory_bytes=12 * MIB)
-    fine = offload_cost.price(offload_cost.prepare(prepared_cfg, step, option), small)
-    coarse = offload_cost.price(
-        offload_cost.prepare(prepared_cfg, step, option), dataclasses.replace(small, page_bytes=2 << 20)
-    )
+    fine = offload_cost.price(offload_cost.prepare(step, option), small)
+    coarse = offload_cost.price(offload_cost.prepare(step, option), dataclasses.replace(small, page_bytes=2 << 20))
     assert fine.faults > coarse.faults > 0  # smaller pages: more faults for the same bytes
     with pytest.raises(ConfigError, match="unified_memory.fault_us"):
         topology.from_dict({**spec, "unified_memory": {"fault_us": "slow"}})

@@ -17,6 +17,7 @@ from meshpar.plan import cost, report
 from meshpar.plan.search import candidates
 from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
+from meshpar.step import parts, programs
 
 # An MLP whose parameters and Adam moments (about 1.1 MiB per device when replicated over
 # data:8) overflow a device planned at 1 MiB: split 8 ways they fit.
@@ -168,7 +169,8 @@ def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path, env):
 
 
 def test_xla_figures_that_do_not_fit_are_refused_after_the_compile(tmp_path, lowerings):
-    plan = report.plan(_cfg(tmp_path / "plan", hardware={"memory_gib": 0}))
+    step = parts.abstract_step(_cfg(tmp_path / "plan", hardware={"memory_gib": 0}))
+    plan = report.plan(step, programs.compile_all(step))
     analytic, needed = plan.analytic.total, plan.needed_bytes
     if needed <= analytic:
         pytest.skip("XLA's figures for this config are not above the analytic total")

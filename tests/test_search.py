@@ -12,6 +12,7 @@ from meshpar.plan.search import layouts as search_lib
 from meshpar.plan.search import options as options_lib
 from meshpar.run import experiment
 from meshpar.sharding import layout as layout_lib
+from meshpar.step import parts
 
 # Batch 6 and hidden 6 do not divide 4 ways, only 2: the traps the legality checks must catch.
 SMALL = {
@@ -140,7 +141,7 @@ def test_layer_flops_are_the_traced_layers():
     cfg = config_lib.load("experiments/transformer_data_parallel.yaml", ["model.attention=xla"])
     step = parts.abstract_step(cfg)
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in step.args[1].items()}
-    prof = offload_plan.profile(cfg, step)  # one device's forward: 32 / 8 rows, weights whole
+    prof = offload_plan.profile(step)  # one device's forward: 32 / 8 rows, weights whole
     family = MODELS["transformer"]
     assert prof.layers == family.num_layers(cfg.model)
     assert family.layer_flops(cfg.model, spec)[0] * 4 == pytest.approx(3 * prof.layer_flops)  # forward: a third
@@ -159,7 +160,7 @@ def test_each_layout_gets_the_fewest_microbatches_that_fit():
         k = row.cfg.train.microbatches
         fewer = options_lib.with_layout(row.cfg, row.cfg.mesh_str, row.cfg.layout_str,
                                         layout_lib.format_rules(row.cfg.param_layout), False, k // 2)  # fmt: skip
-        assert memory.analytic(fewer).total > usable, (row.cfg.mesh_str, row.cfg.layout_str, k)
+        assert memory.analytic(parts.abstract_step(fewer)).total > usable, (row.cfg.mesh_str, row.cfg.layout_str, k)
         assert f"train.microbatches={k}" in row.overrides  # the choice says how to run it
     assert all(r.cfg.train.microbatches == 1 for r in result.rows if r.fits and r not in split)
     js = search_lib.to_json(result)
@@ -182,11 +183,11 @@ def test_the_estimates_kernels_are_a_lower_bound_on_the_gpu_programs(microbatche
     topo = topology.load("h100-sxm-8")
     target = gpu_target.target(topo, cfg.mesh)
     step = parts.abstract_step(cfg, devices=target.devices)
-    kernels = estimates.pass_kernels(cfg, step)
-    compiled = timing.predict(cfg, step, step.lower().compile(), topo, 0.0).kernels
+    kernels = estimates.pass_kernels(step)
+    compiled = timing.predict(step, step.lower().compile(), topo, 0.0).kernels
     assert 0 < kernels * microbatches <= compiled
     remat = config_lib.load("experiments/quickstart.yaml", ["model.remat=full"])
-    assert estimates.pass_kernels(remat, parts.abstract_step(remat, devices=target.devices)) > kernels
+    assert estimates.pass_kernels(parts.abstract_step(remat, devices=target.devices)) > kernels
 
 
 def test_the_compiled_best_are_distinct_layouts_each_at_its_best_count():

@@ -160,3 +160,67 @@ def test_no_project_module_is_imported_inside_a_function():
     assert local == [], "imports of project modules inside functions (move them to the top): " + ", ".join(
         f"{m}:{line} imports {h}" for m, line, h in local
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Floors (docs/code-map.md): an import only ever goes down, or stays on its floor. The most
+# specific prefix names a module's floor; a module no prefix names fails the test, so a new
+# folder is given its floor when it is made.
+
+FLOORS = (
+    # ground: version shims, the jaxpr walker, how a config section is declared, the input pipeline
+    ("input_pipeline", 0),
+    ("meshpar.jax_compat", 0),
+    ("meshpar.jaxprs", 0),
+    ("meshpar.configuration.schema", 0),
+    # the process's back end, and sharding (mesh, layout, stages, offload, the trace context)
+    ("meshpar.backend", 1),
+    ("meshpar.sharding", 1),
+    ("meshpar", 1),  # the package's face: it sets up the back end on import
+    # model families and data sources
+    ("meshpar.models", 2),
+    ("meshpar.sources", 2),
+    # configuration: sections, loading, the cross-section checks, the one-line errors
+    ("meshpar.configuration", 3),
+    # checkpoints, Hugging Face formats, processes
+    ("meshpar.checkpoints", 4),
+    ("meshpar.hf", 4),
+    ("meshpar.processes", 4),
+    # building a step: config → mesh, layout, state plan, jitted steps, compiled programs, inputs
+    ("meshpar.step", 5),
+    # the planner: judges a built step and its compiled programs
+    ("meshpar.plan", 6),
+    # running an experiment: where its state comes from, the loop, metrics, generation
+    ("meshpar.run", 7),
+    # the commands
+    ("meshpar.plan.__main__", 8),
+    *((f"meshpar.{c}", 8) for c in ("train", "generate", "convert", "data", "compare_feeding", "config_reference")),
+)
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    best = max((p for p, _ in floors if module == p or module.startswith(p + ".")), key=len, default=None)
+    return dict(floors)[best] if best is not None else None
+
+
+def climbs(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Every import that runs up the floors, as 'importer (floor) -> imported (floor)'."""
+    out = []
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            if floor_of(target, floors) > floor_of(module, floors):
+                out.append(f"{module} ({floor_of(module, floors)}) -> {target} ({floor_of(target, floors)})")
+    return out
+
+
+def test_the_floor_check_finds_an_import_that_runs_up():
+    floors = (("low", 0), ("high", 1), ("high.command", 2))
+    graph = {"high.a": {"low.b"}, "low.b": {"high.a"}, "high.command": {"high.a"}}
+    assert climbs(graph, floors) == ["low.b (0) -> high.a (1)"]
+    assert floor_of("high.command.x", floors) == 2 and floor_of("elsewhere", floors) is None
+
+
+def test_every_module_has_a_floor_and_no_import_runs_up_the_floors():
+    graph, _ = import_graph()
+    assert [m for m in graph if floor_of(m) is None] == []
+    assert climbs(graph) == []

@@ -22,10 +22,9 @@ TINY = (
 
 @functools.cache
 def compiled(path: str, *overrides: str):
-    """(config, abstract step, compiled train step) of `path` with `overrides`."""
-    cfg = config.load(path, [*overrides, "train.progress=false"])
-    step = parts.abstract_step(cfg)
-    return cfg, step, step.lower().compile()
+    """(abstract step, compiled train step) of `path` with `overrides`."""
+    step = parts.abstract_step(config.load(path, [*overrides, "train.progress=false"]))
+    return step, step.lower().compile()
 
 
 def xla_flops(program) -> float:
@@ -39,7 +38,7 @@ def xla_flops(program) -> float:
     ids=["mlp", "transformer-unrolled"],
 )
 def test_hlo_flops_equal_xla_cost_analysis_when_nothing_loops(path, overrides):
-    _, _, program = compiled(path, *overrides)
+    _, program = compiled(path, *overrides)
     ours, xla = timing.hlo_flops(program), xla_flops(program)
     assert xla > 0
     assert ours == pytest.approx(xla, rel=0.01)
@@ -49,8 +48,8 @@ def test_scanned_layers_are_counted_once_per_trip():
     # XLA counts a scan's body once: its figure barely moves from 4 to 8 scanned layers.
     quickstart = "experiments/quickstart.yaml"
     runs = {n: compiled(quickstart, *TINY, f"model.n_layers={n}", "model.scan_unroll=1") for n in (4, 8)}
-    ours = {n: timing.hlo_flops(p) for n, (_, _, p) in runs.items()}
-    xla = {n: xla_flops(p) for n, (_, _, p) in runs.items()}
+    ours = {n: timing.hlo_flops(p) for n, (_, p) in runs.items()}
+    xla = {n: xla_flops(p) for n, (_, p) in runs.items()}
     per_layer = (ours[8] - ours[4]) / 4
     assert per_layer > 0.1 * ours[4]
     outside = (xla[8] - xla[4]) / 4  # what XLA does count per layer: the optimizer's update of it
@@ -84,7 +83,7 @@ def param_bytes_per_device(step) -> int:
 
 
 def test_data_parallel_step_all_reduces_its_gradients_over_data():
-    _, step, program = compiled("experiments/mlp_data_parallel.yaml")
+    step, program = compiled("experiments/mlp_data_parallel.yaml")
     found = timing.collectives(program, step.mesh)
     assert {axis for _, _, axis in found} == {"data"}
     grads = [b for kind, b, axis in found if kind == "all-reduce"]
@@ -93,11 +92,11 @@ def test_data_parallel_step_all_reduces_its_gradients_over_data():
 
 
 def test_model_parallel_step_reduces_activations_over_model_and_gradient_shards_over_data():
-    cfg, step, program = compiled("experiments/mlp_model_parallel.yaml")
+    step, program = compiled("experiments/mlp_model_parallel.yaml")
     found = timing.collectives(program, step.mesh)
     # hidden:model splits the second layer's rows: its [batch/4, 256] float32 partial sums are
     # all-reduced over model (the 2 devices of a data row, devices {0,1}, {2,3}, ...).
-    rows = cfg.train.batch_size // step.mesh.shape["data"]
+    rows = step.cfg.train.batch_size // step.mesh.shape["data"]
     assert ("all-reduce", rows * 256 * 4, "model") in found
     # The gradients of each device's parameter shards are reduced over data (devices {0,2,4,6}
     # and {1,3,5,7}: strided groups), half the data-parallel bytes for the split layers.
@@ -106,8 +105,8 @@ def test_model_parallel_step_reduces_activations_over_model_and_gradient_shards_
 
 
 def test_fsdp_gathers_its_parameters_over_data():
-    _, step, program = compiled("experiments/transformer_fsdp.yaml", *TINY)
-    _, plain_step, plain = compiled("experiments/quickstart.yaml", *TINY)
+    step, program = compiled("experiments/transformer_fsdp.yaml", *TINY)
+    plain_step, plain = compiled("experiments/quickstart.yaml", *TINY)
     gathers = [(b, axis) for kind, b, axis in timing.collectives(program, step.mesh) if kind == "all-gather"]
     assert any(axis == "data" for _, axis in gathers)
     assert not [a for k, _, a in timing.collectives(plain, plain_step.mesh) if k == "all-gather" and a == "data"]
@@ -149,8 +148,8 @@ def test_every_replica_group_form_maps_onto_the_mesh(groups, axis):
 
 def test_predicted_terms_follow_the_machine():
     h100 = topology.load("h100-sxm-8")
-    cfg, step, program = compiled("experiments/mlp_data_parallel.yaml")
-    base = timing.predict(cfg, step, program, h100)
+    step, program = compiled("experiments/mlp_data_parallel.yaml")
+    base = timing.predict(step, program, h100)
     total = base.compute_s + base.collective_s - base.hidden_s + base.exposed_feed_s
     assert base.total_s == pytest.approx(total) and 0 <= base.hidden_s <= base.collective_s
     assert base.compute_s >= max(base.flops_s, 0.0) and base.flops > 0 and base.bytes > 0
@@ -161,21 +160,21 @@ def test_predicted_terms_follow_the_machine():
     # peak halves the FLOP bound but leaves the compute time within a few percent; twice the HBM
     # bandwidth shortens the part beyond the launches. Collectives stay.
     faster = dataclasses.replace(h100, peak_flops={k: 2 * v for k, v in h100.peak_flops.items()})
-    fast = timing.predict(cfg, step, program, faster)
+    fast = timing.predict(step, program, faster)
     assert fast.flops_s == pytest.approx(base.flops_s / 2)
     assert fast.compute_s == pytest.approx(base.compute_s, rel=0.05) and fast.collective_s == base.collective_s
     wide = dataclasses.replace(h100, device_memory_bandwidth=2 * h100.device_memory_bandwidth)
-    wider = timing.predict(cfg, step, program, wide)
+    wider = timing.predict(step, program, wide)
     assert wider.compute_s - wider.launch_s < 0.9 * (base.compute_s - base.launch_s)
     assert wider.collective_s == base.collective_s
     # The same gradients over a PCIe box take longer than over NVLink.
-    pcie = timing.predict(cfg, step, program, topology.load("a100-pcie-8"))
+    pcie = timing.predict(step, program, topology.load("a100-pcie-8"))
     assert pcie.collective_s > base.collective_s
     # A feed longer than the compute: with prefetch it is exposed only past the compute.
     feed = 3 * base.compute_s
-    overlapped = timing.predict(cfg, step, program, h100, feed_s=feed)
+    overlapped = timing.predict(step, program, h100, feed_s=feed)
     unfetched = config.load("experiments/mlp_data_parallel.yaml", ["feed.prefetch=0"])
-    serial = timing.predict(unfetched, step, program, h100, feed)
+    serial = timing.predict(dataclasses.replace(step, cfg=unfetched), program, h100, feed)
     assert overlapped.exposed_feed_s == pytest.approx(feed - base.compute_s)
     assert serial.exposed_feed_s == feed and serial.total_s > overlapped.total_s
 
@@ -191,15 +190,15 @@ def test_the_predicted_step_follows_the_work_and_the_machine():
     takes longer, a faster machine takes less (a constant or work-blind model fails each)."""
     h100 = topology.load("h100-sxm-8")
     small = timing.predict(*compiled(WIDE_MLP, *WIDE, "train.batch_size=16384", "layout=batch:(data,model)"), h100)
-    cfg, step, program = compiled(WIDE_MLP, *WIDE, "train.batch_size=65536", "layout=batch:(data,model)")
-    big = timing.predict(cfg, step, program, h100)
+    step, program = compiled(WIDE_MLP, *WIDE, "train.batch_size=65536", "layout=batch:(data,model)")
+    big = timing.predict(step, program, h100)
     # Four times the batch: four times the FLOPs per device, and a longer step.
     assert big.flops == pytest.approx(4 * small.flops, rel=0.02)
     assert big.compute_s > 1.5 * small.compute_s and big.total_s > small.total_s
     # The same program on a machine with twice the peak, and on an older GPU: less, and more time.
     doubled = dataclasses.replace(h100, peak_flops={k: 2 * v for k, v in h100.peak_flops.items()})
-    assert timing.predict(cfg, step, program, doubled).compute_s < 0.85 * big.compute_s
-    assert timing.predict(cfg, step, program, topology.load("a100-sxm-8")).compute_s > 1.5 * big.compute_s
+    assert timing.predict(step, program, doubled).compute_s < 0.85 * big.compute_s
+    assert timing.predict(step, program, topology.load("a100-sxm-8")).compute_s > 1.5 * big.compute_s
     # The batch over data alone leaves the model axis's 2 devices of a row computing the same rows:
     # twice the FLOPs per device of the batch over both axes, and a longer compute term.
     whole = timing.predict(*compiled(WIDE_MLP, *WIDE, "train.batch_size=65536", "layout=batch:data"), h100)

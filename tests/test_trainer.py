@@ -88,7 +88,7 @@ def test_eval_places_through_its_own_feeder_and_leaves_the_train_figures_alone(t
     assert exp.inputs.eval_feeder is not exp.inputs.feeder and "final_eval_loss" in with_eval
     # The train feeder's peak stays within the train inputs the memory plan counts (the step's
     # batch, the prefetched and in-flight ones, the relay's staging): eval batches are not in it.
-    c = memory.analytic(exp.cfg).categories
+    c = memory.analytic(exp.step).categories
     bound = c["inputs"] + c["queued_inputs"] + c["relay_inputs"]
     for peaks in (with_eval["input_memory"]["peak_input_bytes"], without["input_memory"]["peak_input_bytes"]):
         assert 0 < max(peaks.values()) <= bound, (peaks, bound)

@@ -1,35 +1,16 @@
 """CUDA Unified Memory for a run (``offload.unified_memory``): the environment that turns it on,
 set before jax's backend starts, and a check, after it started, that it took effect.
 
-**The mechanism.** jax reaches Unified Memory through XLA's GPU allocator, configured by
-environment variables: ``TF_FORCE_UNIFIED_MEMORY=1`` makes XLA's BFC allocator take managed
-memory, which the CUDA driver pages between the GPU and host memory on demand; the allocator
-fraction (:data:`meshpar.backend.allocator.FRACTION_VARIABLES`, newest name first: jaxlib reads one
-and refuses both) is how many times the device's memory it may take, max(1, fraction) under
-Unified Memory (``offload.oversubscription``); ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` lets it
-grow as the step needs instead of reserving all of that at start. Only the BFC allocator
-(``XLA_PYTHON_CLIENT_ALLOCATOR`` unset, ``default`` or ``bfc``) reads
-``TF_FORCE_UNIFIED_MEMORY``: the others are refused.
-
-**Before the backend starts.** jaxlib reads the variables once, when jax's GPU backend starts
-(the first ``jax.devices()``, or ``jax.distributed.initialize`` in a multi-process run), so
-:func:`set_up` is the first thing :func:`meshpar.run.experiment.build` does. Whether a CUDA backend
-will start is decided without starting one (that would read the variables too early): from
-``JAX_PLATFORMS`` (its first platform must be ``cuda`` or ``gpu``) and whether jax's CUDA plugin
-is installed (:func:`meshpar.backend.quiet.cuda_plugin_installed`; :mod:`meshpar.backend.quiet` sets
-``JAX_PLATFORMS=cpu`` where the plugin is installed but no CUDA driver loads). Anywhere else
-the run is refused with one config error, before anything is written. Variables the user has
-set already win, and are reported with what they mean; those that would turn Unified Memory
-off are config errors. :func:`environment` makes these decisions from the config and an
-environment passed in, so they are tested as such.
-
-**After it started.** :func:`check` verifies, for each of this process's devices, that the
-backend is CUDA's and that XLA's allocator limit (``memory_stats()['bytes_limit']``) exceeds
-the device's physical memory (read from the CUDA driver): a limit at or below it means the
-variables did not take effect, e.g. because jax's backend had started before they were set.
-What the variables do on a GPU (the limit, steps larger than the device) is checked by the
-device check, ``scripts/device_check.sh``, on a GPU: the tests on a CPU host check the
-decisions and the refusals.
+jax reaches Unified Memory through XLA's GPU allocator, configured by environment variables
+(``TF_FORCE_UNIFIED_MEMORY``, the allocator fraction of :mod:`meshpar.backend.allocator`,
+``XLA_PYTHON_CLIENT_PREALLOCATE``) that jaxlib reads once, when its GPU backend starts: so
+:func:`set_up` is the first thing :func:`meshpar.run.experiment.build` does. Whether a CUDA
+backend will start is decided without starting one; variables the user set win, those that
+would turn Unified Memory off are config errors. :func:`environment` makes these decisions from
+the config and an environment passed in, so they are tested as such; :func:`check` verifies,
+once the backend has started, that XLA's allocator limit exceeds each device's physical memory.
+What the variables do on a GPU is checked by ``scripts/device_check.sh``. The spec:
+docs/offload.md, "Unified memory".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from input_pipeline.errors import DataError
-from meshpar.configuration.config import ConfigError
+from meshpar.configuration.schema import ConfigError
 
 
 class CheckpointError(RuntimeError):

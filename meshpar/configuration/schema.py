@@ -50,6 +50,13 @@ SEED_MAX = 2**32 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
+def is_number(value: Any, integer: bool = False) -> bool:
+    """Whether `value`, read from YAML or JSON, is a number (an integer where `integer`): a bool is
+    neither, although Python's True is the integer 1. Each caller checks the range it needs and
+    names the key in its own one-line error."""
+    return isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+
+
 def describe(value: Any) -> str:
     return f"{short(value)} ({type(value).__name__})"
 
@@ -72,7 +79,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected true or false, got {describe(value)}")
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_number(value, integer=True):
             raise ConfigError(key, f"expected an integer, got {describe(value)}")
         if not INT64[0] <= value <= INT64[1]:
             raise ConfigError(key, f"{short(value)} does not fit in a 64-bit integer")
@@ -83,7 +90,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 value = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise ConfigError(key, f"expected a number, got {describe(value)}")
         try:
             value = float(value)

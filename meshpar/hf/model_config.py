@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshpar.configuration.config import ConfigError
+from meshpar.configuration.schema import ConfigError, is_number
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # model_type → its class
 # meshpar's field → config.json's (the rope fields: keys of rope_parameters / rope_scaling).
@@ -84,7 +84,7 @@ def _int(raw: dict, where: str, key: str, default: int | None = None) -> int:
         value = default
     if value is None:
         raise ConfigError(where, f"has no {key}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_number(value, integer=True) or value < 1:
         raise ConfigError(where, f"{key} is {value!r}, not a positive integer")
     return value
 
@@ -95,7 +95,7 @@ def _number(raw: dict, where: str, key: str, default: float | None = None) -> fl
         value = default
     if value is None:
         raise ConfigError(where, f"has no {key}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise ConfigError(where, f"{key} is {value!r}, not a number")
     return float(value)
 
@@ -169,7 +169,7 @@ def architecture(raw: dict, where: str) -> dict[str, Any]:
 def _experts(raw: dict, where: str, max_length: int) -> dict[str, Any]:
     """A Mixtral's expert fields; ConfigError for what meshpar's mixture of experts does not compute."""
     window = raw.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < max_length):
+    if window is not None and (not is_number(window, integer=True) or window < max_length):
         raise ConfigError(
             where,
             f"sliding_window is {window!r}, shorter than max_position_embeddings {max_length}; meshpar attends to "

@@ -1,47 +1,22 @@
 """Hugging Face's Llama and Mixtral tensor names and layouts ↔ meshpar's parameters, both ways.
 
 A ``torch.nn.Linear`` weight is ``[out, in]``; meshpar's is ``[in, out]`` with the heads split
-out, and every block parameter is stacked along a leading ``layers`` dim:
+out, and every block parameter is stacked along a leading ``layers`` dim (a Mixtral's experts
+along ``layers`` and then ``experts``: expert j of layer i is the tensor at ``(i, j)`` of its
+stack). The tables, name by name: docs/huggingface.md ("Names and layouts") and docs/moe.md
+("Mixtral checkpoints").
 
-==============================================  ======================  ==========================
-Hugging Face                                    meshpar                 from HF weight W
-==============================================  ======================  ==========================
-``model.embed_tokens.weight [vocab, d]``        ``embed``               W
-``model.layers.i.input_layernorm.weight``       ``blocks/attn_norm[i]`` W
-``model.layers.i.self_attn.q_proj [h·k, d]``    ``blocks/wq[i]``        Wᵀ → [d, heads, kv]
-``model.layers.i.self_attn.k_proj / v_proj``    ``blocks/wk[i], wv[i]`` Wᵀ → [d, kv_heads, kv]
-``model.layers.i.self_attn.o_proj [d, h·k]``    ``blocks/wo[i]``        Wᵀ → [heads, kv, d]
-``model.layers.i.post_attention_layernorm``     ``blocks/mlp_norm[i]``  W
-``model.layers.i.mlp.gate_proj / up_proj``      ``blocks/w_gate, w_up`` Wᵀ [d, d_ff]
-``model.layers.i.mlp.down_proj [d, d_ff]``      ``blocks/w_down[i]``    Wᵀ [d_ff, d]
-``model.norm.weight``                           ``final_norm``          W
-``lm_head.weight [vocab, d]`` (untied only)     ``unembed``             Wᵀ [d, vocab]
-==============================================  ======================  ==========================
-
-A Mixtral's layers have no ``mlp``; each has a mixture of experts (:mod:`meshpar.models.moe`),
-whose parameters are stacked over the layers and then the experts (``[layers, experts, ...]``),
-so expert j of layer i is the tensor at ``(i, j)`` of its stack. transformers 4 writes, and
-transformers 5 (5.25) still writes on save and reads:
-
-================================================================  =============================  ==============
-``model.layers.i.block_sparse_moe.gate.weight [E, d]``            ``blocks/router[i]``           Wᵀ [d, E]
-``model.layers.i.block_sparse_moe.experts.j.w1.weight [f, d]``    ``blocks/experts_gate[i, j]``  Wᵀ [d, f]
-``model.layers.i.block_sparse_moe.experts.j.w3.weight [f, d]``    ``blocks/experts_up[i, j]``    Wᵀ [d, f]
-``model.layers.i.block_sparse_moe.experts.j.w2.weight [d, f]``    ``blocks/experts_down[i, j]``  Wᵀ [f, d]
-================================================================  =============================  ==============
-
-transformers 5 holds the experts fused in memory, and writes them so with
-``save_pretrained(save_original_format=False)``: ``model.layers.i.mlp.gate.weight [E, d]`` (the
-router), ``model.layers.i.mlp.experts.gate_up_proj [E, 2f, d]`` (expert j's gate rows ``j, :f``,
-its up rows ``j, f:``) and ``mlp.experts.down_proj [E, d, f]``. Those are read too, each
-expert's block of a fused tensor read on its own (its bytes are contiguous: :attr:`Tensor.part`),
-so every byte is still read once and the host holds one expert's matrix at a time. A folder is
-one spelling or the other (:func:`fused`); exports write the first, which both versions load.
+transformers 5 holds a Mixtral's experts fused (``mlp.experts.gate_up_proj [E, 2f, d]``,
+``mlp.experts.down_proj [E, d, f]``) and may write them so; those are read too, each expert's
+block of a fused tensor read on its own (its bytes are contiguous: :attr:`Tensor.part`), so every
+byte is still read once and the host holds one expert's matrix at a time. A folder is one
+spelling or the other (:func:`fused`); exports write the unfused one, which both versions load.
 
 Splitting a transposed axis is a view, so each tensor is converted with one copy, which also
-casts it to the parameter dtype (none at all for a tensor already in meshpar's layout and dtype). Names a checkpoint may carry that hold nothing meshpar needs
-are skipped, as transformers skips them: the rotary ``inv_freq`` buffers older conversions
-saved, and ``lm_head.weight`` when the embeddings are tied (transformers ties it to the embedding).
+casts it to the parameter dtype (none at all for a tensor already in meshpar's layout and
+dtype). Names that hold nothing meshpar needs are skipped, as transformers skips them: the
+rotary ``inv_freq`` buffers older conversions saved, and ``lm_head.weight`` when the embeddings
+are tied.
 """
 
 from __future__ import annotations

@@ -3,41 +3,19 @@
 ``model.attention`` picks one, at trace time (never at run time, so a supported config never
 fails in a running step):
 
-* ``xla`` — scores ``[batch, heads, length, length]`` in float32, masked, softmax, one
-  contraction with the values. XLA fuses what it can, but the scores and probabilities are
-  materialised (and kept for the backward pass): memory grows with length².
-* ``blockwise`` — flash-style (online softmax, float32 running max and sum): a ``lax.scan``
-  over key/value blocks of ``model.attention_block`` positions, every query against one
-  block at a time, so the largest temporaries are ``[batch, heads, length, block]``. The
-  backward pass is written out (a ``custom_vjp`` that keeps only q, k, v, the output and the
-  per-row log-sum-exp, and recomputes each block's probabilities), so it never holds
-  ``[length, length]`` either. Same arithmetic as ``xla`` up to float rounding; it does all
-  ``length²`` score products (masked blocks are not skipped), so it saves memory, not FLOPs.
-* ``cudnn`` — ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash
-  attention, where it applies (see :func:`cudnn_problem`); elsewhere the ``blockwise`` path,
-  so asking for ``cudnn`` always gets attention that does not materialise the scores.
+* ``xla`` — scores ``[batch, heads, length, length]`` materialised: memory grows with length².
+* ``blockwise`` — flash-style online softmax over key/value blocks of ``model.attention_block``
+  (a ``lax.scan``), with a written-out backward pass that recomputes each block: never
+  ``[length, length]``; it saves memory, not FLOPs.
+* ``cudnn`` — cuDNN's fused flash attention where it applies (:func:`cudnn_problem`), else
+  ``blockwise``; inside a pipeline stage it runs fully manual (:func:`cudnn`).
 * ``auto`` (default) — cuDNN where it applies, else ``xla``.
 
-Inside a pipeline stage (:mod:`meshpar.sharding.stages`) cuDNN's call runs fully manual, on each
-device's batch rows and heads (:func:`cudnn`): jax's partitioning rule for it cannot run in a
-stage's partially manual region. There cuDNN also needs the batch to take every mesh axis that
-splits neither batch nor heads; where it cannot, the fallback runs.
-
-cuDNN applies when all hold (checked once per shape and dtype): the default backend is a CUDA
-GPU; q/k/v are bfloat16 or float16 (cuDNN's flash attention has no float32 kernel); and jax's
-own cuDNN checks pass for this shape, forward and backward — cuDNN found, head dim (``kv``) a
-multiple of 8 and at most 128 (256 on Hopper or later), the compute capability supported.
-Those checks are jax's, run by tracing the call abstractly (``jax.eval_shape`` of its gradient),
-so this module never disagrees with the version of jax it runs on.
-
-Sharding: every implementation keeps ``batch`` and ``heads`` as batch dims of its contractions,
-so a layout may split either; the intermediates are constrained in logical names.
-
-Grouped-query attention: k and v may have fewer heads than q (``[batch, length, kv_heads, kv]``,
-each shared by ``heads / kv_heads`` consecutive query heads, as in Llama). cuDNN takes them as
-they are where the layout splits ``kv_heads`` as it splits ``heads`` (or splits neither); every
-other case repeats each key/value head for its query heads first (:func:`repeat_kv`), which is
-local to each device whatever the split, and runs the core as for multi-head attention.
+Every core keeps ``batch`` and ``heads`` as batch dims of its contractions, so a layout may
+split either. Grouped-query attention (fewer key/value heads than query heads) goes to cuDNN as
+it is where the layout splits ``kv_heads`` as it splits ``heads``; otherwise each key/value head
+is repeated for its query heads first (:func:`repeat_kv`, local to each device). The full
+description: docs/models.md, "Attention cores".
 """
 
 from __future__ import annotations

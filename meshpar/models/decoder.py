@@ -4,55 +4,17 @@ few architecture switches, how to run) and is this module's model from there on.
 
 ``inputs [batch, length] → embed (+ learned positions) → n_layers × (RMSNorm → causal
 attention → residual; RMSNorm → MLP → residual) → RMSNorm → logits [batch, length, vocab]``.
-No projection has a bias. The switches:
+The switches (``mlp``, ``positions``, ``n_kv_heads``, ``norm_eps``, ``tie_embeddings``,
+``dropout``), the parameters and their draws, the layer loop and the ``checkpoint_name`` tags
+each layer puts on the values its backward pass reads (what ``remat`` and
+``offload.activations`` keep by name) are described in docs/models.md, "The decoder".
 
-* ``mlp`` — ``gelu``: ``gelu(x·W_in)·W_out`` (parameters ``w_in``, ``w_out``); ``swiglu``:
-  ``(silu(x·W_gate) ⊙ x·W_up)·W_down`` (``w_gate``, ``w_up``, ``w_down``).
-* ``positions`` — ``learned``: a ``pos (length, embed)`` table of ``max_length`` rows added to
-  the embeddings; ``rotary``: query and key rotated in every layer by the angular frequencies
-  ``rope`` (``[d_head / 2]``, computed by the family), no parameters.
-* ``n_kv_heads`` — None: multi-head attention, key and value have the query heads' dim
-  (``heads``); a number: grouped-query attention, key and value have ``n_kv_heads`` heads of a
-  dim of their own, ``kv_heads``, each shared by ``n_heads / n_kv_heads`` query heads (a layout
-  that splits ``heads`` splits ``kv_heads`` alike where it divides:
-  :func:`meshpar.models.decoder_family.layout_rules`).
-* ``norm_eps`` — RMSNorm's epsilon (scale only, statistics in float32).
-* ``tie_embeddings`` — ``none``: an output matrix ``unembed (embed, vocab)``; ``scaled_logits``:
-  the input embedding (std 1), logits × ``d_model ** -0.5`` (T5, Mesh TensorFlow);
-  ``scaled_init``: the input embedding, drawn with std ``d_model ** -0.5``, logits unscaled (Llama).
-* ``dropout`` — rate on the embeddings and each residual branch (training only).
-
-Parameters: ``embed (vocab, embed)``, ``pos (length, embed)`` (learned), ``blocks/<name>`` of
-:func:`block_dims` (every block parameter stacked along a leading ``layers`` dim),
-``final_norm (embed,)``, ``unembed (embed, vocab)`` (untied). Each projection is drawn with std
-``fan_in ** -0.5``, the embedding and positions with std 1 (except ``scaled_init``), norms at 1;
-the draws go in this order, so a family's fresh parameters do not depend on this module's shape.
-
-Layers are always *stored* stacked, and ``scan_layers`` only chooses how they are *run*: one
-``jax.lax.scan`` over the stack (``scan_unroll`` layers per iteration; 0 picks by backend at
-trace time, see :func:`meshpar.models.layers.scan_unroll`) or an unrolled Python loop over
-slices of the same arrays; parameters, checkpoints and results are identical. The stack is built
-by hand (a leading dim on each initializer) rather than with ``nnx.vmap``, because NNX's
-transforms only rewrite flax's own ``sharding_names`` metadata, not our ``dims``. The attention
-core is ``attention`` (``auto | xla | blockwise | cudnn``, :mod:`meshpar.models.attention`); the
-projections run as 2-D matmuls over ``batch·length`` rows (:func:`meshpar.models.layers.dense`).
-
-``remat`` (``none | full | dots``, :mod:`meshpar.models.remat`) wraps the one function that runs
-a layer in ``jax.checkpoint``. Each layer tags the values its backward pass reads with
-``checkpoint_name``, so a policy can keep (or offload) them by name: ``layer_in`` (the layer's
-input ``[batch, length, embed]``), ``attn_in`` (attention's normed input), ``query``, ``key``,
-``value`` (``[batch, length, heads, kv]``, ``kv_heads`` for key and value when grouped; after
-rotary), ``context`` (attention's output per head), ``attn_out`` (its output projection),
-``attn_residual`` (the residual stream after attention), ``mlp_in`` (the MLP's normed input) and
-``mlp_hidden`` (after the activation, ``[batch, length, d_ff]``). Attention's ``[length,
-length]`` scores carry no name, so a policy that keeps only named values never keeps them. Host
-offload of activations (``offload.activations``) is such a policy, set by the train step
-(the trace's ``keep``, :class:`meshpar.sharding.tracing.Trace`) in place of ``remat``.
-
-Generation: :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`);
-with experts the cached layer loop runs over the groups of ``moe_every`` layers as training's
-does (:func:`decode_block`), the MoE layers' statistics dropped, and capacity dispatch routes
-each row's new tokens in groups of their own (:func:`decode_config`).
+Layers are always *stored* stacked (:func:`block_dims`, a leading ``layers`` dim), and
+``scan_layers`` only chooses how they are *run* (:func:`meshpar.models.layers.run_layers`). The
+attention core is :mod:`meshpar.models.attention`'s; the projections run as 2-D matmuls over
+``batch·length`` rows (:func:`meshpar.models.layers.dense`). Generation:
+:meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`; with
+experts :func:`decode_block` and :func:`decode_config`).
 
 Its sizes, FLOPs, layout rules and traits, what the planner reads through a family, are
 :mod:`meshpar.models.decoder_family`'s.

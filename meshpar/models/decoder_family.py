@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshpar.models import decoder, layers
+from meshpar.models.contract import Traits
 from meshpar.models.decoder import MLP_PARAMS, DecoderConfig, moe_layers
 from meshpar.sharding import layout as layout_lib
 
@@ -113,13 +114,13 @@ TRAIT_FIELDS = {
 }  # fmt: skip
 
 
-def traits(cfg: DecoderConfig, family_cfg: Any) -> dict[str, Any]:
-    """The keyword arguments of :class:`meshpar.models.Traits` of decoder `cfg`, made from the
-    family config `family_cfg`: each trait the decoder's field of :data:`TRAIT_FIELDS` (the whole
-    stack's layers, the embedding's width), set by the family's field of the same name where it
-    has one (Llama has no ``dropout``: its decoder's is 0)."""
+def traits(cfg: DecoderConfig, family_cfg: Any) -> Traits:
+    """The :class:`meshpar.models.contract.Traits` of decoder `cfg`, made from the family config
+    `family_cfg`: each trait the decoder's field of :data:`TRAIT_FIELDS` (the whole stack's
+    layers, the embedding's width), set by the family's field of the same name where it has one
+    (Llama has no ``dropout``: its decoder's is 0)."""
     keys = {trait: field for trait, field in TRAIT_FIELDS.items() if hasattr(family_cfg, field)}
-    return {"keys": keys, **{trait: getattr(cfg, field) for trait, field in TRAIT_FIELDS.items()}}
+    return Traits(keys=keys, **{trait: getattr(cfg, field) for trait, field in TRAIT_FIELDS.items()})
 
 
 def layout_rules(cfg: DecoderConfig, rules: tuple, axis_sizes: Mapping[str, int]) -> tuple:

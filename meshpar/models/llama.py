@@ -2,50 +2,23 @@
 ``LlamaForCausalLM``), in logical dims.
 
 It is the decoder of :mod:`meshpar.models.decoder` with a SwiGLU MLP, grouped-query attention,
-rotary positions, RMSNorm, no dropout. This module is its config and the
-mapping of that config onto the decoder's switches (:func:`switches`).
-
-``inputs [batch, length] → embed → n_layers × (RMSNorm → grouped-query attention with rotary
-positions → residual; RMSNorm → SwiGLU MLP → residual) → RMSNorm → logits [batch, length, vocab]``.
-No biases, no dropout; RMSNorm's epsilon is ``rms_eps``; rotary positions use base
-``rope_theta``, optionally with Llama 3.1's frequency scaling (``rope_scaling: llama3``), the
-frequencies computed as Hugging Face computes them (:func:`rope_frequencies`); the output
-projection is its own matrix or the input embedding (``tie_embeddings``, unscaled, as Llama 3.2
-1B/3B do; the embedding then starts with std ``d_model ** -0.5``, so the logits start near unit
-scale).
-
-Logical dims: ``batch, length, embed, heads, kv_heads, kv, d_ff, vocab, layers``. Parameters,
-every block parameter stacked along a leading ``layers`` dim (as :mod:`meshpar.hf` maps them to
-and from Hugging Face's names): embedding ``embed (vocab, embed)``; ``blocks/attn_norm,
-mlp_norm (layers, embed)``; ``blocks/wq (layers, embed, heads, kv)``; ``blocks/wk, wv (layers,
-embed, kv_heads, kv)``; ``blocks/wo (layers, heads, kv, embed)``; ``blocks/w_gate, w_up (layers,
-embed, d_ff)``; ``blocks/w_down (layers, d_ff, embed)``; ``final_norm (embed,)``; untied output
-``unembed (embed, vocab)``.
-
-Grouped-query attention: ``n_kv_heads`` key/value heads, each shared by ``n_heads /
-n_kv_heads`` consecutive query heads (``n_kv_heads = n_heads`` is multi-head attention, 1 is
-multi-query), in a dim of their own, ``kv_heads`` (even when ``n_kv_heads = n_heads``). A layout
-that splits ``heads`` and names no rule for ``kv_heads`` splits ``kv_heads`` over the same axes
-where ``n_kv_heads`` divides by their size, and otherwise keeps the key/value heads whole on every
-device (each device then computes all of them and uses its own query heads' share:
-:func:`layout_rules`). A rule for ``kv_heads`` in the layout wins; one whose split does not divide
-``n_kv_heads`` is a one-line layout error, as for any dim.
-
-The layer loop, ``remat``, ``attention``, initialisation and the ``checkpoint_name`` tags are the
-decoder's, the transformer's too (``mlp_hidden`` is ``silu(gate) · up``, ``[batch, length,
-d_ff]``), so the same remat and activation-offload policies apply.
+rotary positions, RMSNorm, no biases and no dropout. This module is its config and the mapping
+of that config onto the decoder's switches (:func:`switches`), its rotary frequencies as Hugging
+Face computes them (:func:`rope_frequencies`), and where the key/value heads go under a layout
+(:func:`layout_rules`). The architecture, its logical dims and parameters: docs/models.md,
+"Llama".
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from flax import nnx
 
-from meshpar.models import decoder, decoder_family, layers, moe_config
+from meshpar.models import contract, decoder, decoder_family, layers, moe_config, run_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +45,11 @@ class _LlamaFields:
     rope_high_freq_factor: float = dataclasses.field(default=4.0, metadata={"min": 0.0})
     rope_original_max_length: int = dataclasses.field(default=8192, metadata={"min": 1})
     tie_embeddings: bool = False  # logits use the input embedding (unscaled)
-    # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
-    # layers compute in. The loss (softmax cross-entropy) is float32 regardless.
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
-    # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
-    # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.
-    remat: Literal["none", "full", "dots"] = "none"
-    # Attention core (meshpar.models.attention): auto | xla | blockwise | cudnn, as the transformer's.
-    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
-    # Key/value positions per block of blockwise attention; must divide the length when smaller.
-    attention_block: int = dataclasses.field(default=512, metadata={"min": 1})
-    # Layers per iteration of the layer scan; 0 = by backend, as the transformer's.
-    scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(moe_config.MoEFields, _LlamaFields):
-    """A Llama's ``model`` section: its own fields, then the mixture-of-experts ones."""
+class LlamaConfig(moe_config.MoEFields, run_settings.RunSettings, _LlamaFields):
+    """A Llama's ``model`` section: its own fields, the run settings, then the mixture-of-experts ones."""
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -119,9 +78,9 @@ def build(cfg: LlamaConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder.Decod
     return decoder.build(switches(cfg), element_spec, rngs)
 
 
-def traits(cfg: LlamaConfig) -> dict[str, Any]:
-    """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
-    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
+def traits(cfg: LlamaConfig) -> contract.Traits:
+    """What other code reads of `cfg` (:class:`meshpar.models.Traits`): its decoder's, each set
+    by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
     return decoder_family.traits(switches(cfg), cfg)
 
 

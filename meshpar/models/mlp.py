@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import remat as remat_lib
+from meshpar.models.contract import Traits
 from meshpar.sharding.layout import constrain, use
 
 
@@ -157,13 +158,13 @@ def activation_all_reduces(cfg: MLPConfig, element_spec: dict, rows: int, dims: 
     return len(split), rows * max((widths[i + 2] for i in split), default=0)
 
 
-def traits(cfg: MLPConfig) -> dict[str, Any]:
-    """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments), each
-    set by the field of the same name. No ``stack_layers``: each hidden layer's parameters have
-    dims of their own (``hidden``, ``hidden_2``, ...), so no stack for a stage axis to split."""
+def traits(cfg: MLPConfig) -> Traits:
+    """What other code reads of `cfg` (:class:`meshpar.models.contract.Traits`), each set by the
+    field of the same name. No ``stack_layers``: each hidden layer's parameters have dims of
+    their own (``hidden``, ``hidden_2``, ...), so no stack for a stage axis to split."""
     values = {"compute_dtype": cfg.compute_dtype, "param_dtype": cfg.param_dtype, "remat": cfg.remat,
               "num_classes": cfg.num_classes}  # fmt: skip
-    return {**values, "keys": {trait: trait for trait in values}}
+    return Traits(**values, keys={trait: trait for trait in values})
 
 
 def num_layers(cfg: MLPConfig) -> int:

@@ -10,32 +10,14 @@ the loss → each chosen expert's MLP (SwiGLU: ``experts_gate``, ``experts_up`` 
 embed, d_ff)``, ``experts_down`` ``(experts, d_ff, embed)``; GELU: ``experts_in``,
 ``experts_out``) → the outputs summed with those weights.
 
-Dispatch (``moe_dispatch``):
-
-* ``capacity`` (GShard, Switch, Mesh TensorFlow): the ``batch·length`` tokens are cut into
-  groups of ``moe_group_size`` (the largest divisor of ``batch·length`` not above it, so the
-  groups, and so which tokens are dropped, depend on the batch alone, never on the mesh); each
-  expert takes at most ``capacity = ceil(capacity_factor · group · k / experts)`` of a group's
-  tokens, every token's first choice before any second choice, in token order; the rest are
-  dropped (their expert contributes nothing; the residual carries the token). Tokens move by
-  one-hot einsums into ``[groups, experts, capacity, embed]``, placed first like the tokens
-  (groups by ``batch``), then by expert (``experts``, with groups over ``expert_groups``: the
-  batch's mesh axes less the experts', a rule :func:`meshpar.models.decoder_family.layout_rules` derives), so
-  where the layout puts ``experts`` on an axis the batch is split over, XLA moves the tokens by
-  all-to-all, and back the same way.
-* ``dropless`` (MegaBlocks-style): every assignment runs; the ``batch·length·k`` assignments
-  are sorted by expert and each expert's run is one ``jax.lax.ragged_dot``. ragged_dot has no
-  partitioning rule for a split group dim, so where the layout splits ``experts`` the dispatch
-  is written per device (a ``shard_map``): each device gathers the tokens it shares a
-  batch shard with (but for the experts' axes), runs the assignments to its own experts, and the
-  partial outputs are summed back to the tokens' devices (a reduce-scatter; an all-reduce over
-  experts' axes the batch is not split over).
-
-Per layer (:func:`moe`): the Switch load-balancing loss ``E · Σ_e f_e · p_e`` (``f_e`` the
-share of the ``tokens · k`` assignments routed to expert e, ``p_e`` its mean router
-probability), the ST-MoE router z-loss (mean ``logsumexp(logits)²``) and the share of
-assignments dropped; the decoder adds the losses, times ``moe_aux_coef`` and ``moe_z_coef``,
-to the training loss and reports all three per MoE layer.
+Dispatch (``moe_dispatch``): ``capacity`` moves tokens by one-hot einsums into ``[groups,
+experts, capacity, embed]`` (groups over ``expert_groups``, a rule
+:func:`meshpar.models.decoder_family.layout_rules` derives, so XLA moves them by all-to-all
+where the experts are split), dropping what exceeds an expert's capacity; ``dropless`` sorts
+the assignments by expert and runs each expert's as one ``jax.lax.ragged_dot``, written per
+device (a ``shard_map``) where the layout splits ``experts``. Per layer (:func:`moe`): the
+Switch load-balancing loss, the ST-MoE router z-loss and the share of assignments dropped.
+The rules, the costs and the reports: docs/moe.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 experts, how tokens are routed to them and dispatched, and the router's losses.
 
 :class:`MoEFields` is a dataclass base: a family's config lists its own fields in a base of its
-own and takes these after them (``class LlamaConfig(MoEFields, _LlamaFields)``: a dataclass puts
+own and takes these after them (``class LlamaConfig(MoEFields, RunSettings, _LlamaFields)``: a dataclass puts
 the fields of its last base first), so ``model.moe_*`` keys keep their place at the end of the
 section. :func:`meshpar.config_reference.field_docs` reads their comments here.
 """

@@ -29,12 +29,12 @@ Layouts (mesh ``data:4,model:2``), all valid for every tensor of this model:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from flax import nnx
 
-from meshpar.models import decoder, decoder_family, moe_config
+from meshpar.models import contract, decoder, decoder_family, moe_config, run_settings
 
 ROPE_BASE = 10000.0  # rotary positions' base (Mesh TensorFlow's)
 
@@ -56,32 +56,11 @@ class _TransformerFields:
     # rotary = rotations of query and key in every layer (needs an even d_head, no parameters).
     positions: Literal["learned", "rotary"] = "learned"
     tie_embeddings: bool = False  # logits use the input embedding (scaled by d_model**-0.5)
-    # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
-    # layers compute in: bfloat16 compute with float32 parameters is mixed precision. The loss
-    # (softmax cross-entropy) is float32 regardless.
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
-    # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
-    # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.
-    remat: Literal["none", "full", "dots"] = "none"
-    # Attention core (meshpar.models.attention): xla = full [length, length] scores; blockwise =
-    # flash-style over key blocks of attention_block positions (memory grows with length x
-    # block); cudnn = cuDNN's fused attention where it applies (CUDA GPU, bfloat16/float16,
-    # supported head dim), else blockwise; auto = cuDNN where it applies, else xla.
-    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
-    # Key/value positions per block of blockwise attention; must divide the length when smaller.
-    attention_block: int = dataclasses.field(default=512, metadata={"min": 1})
-    # Layers per iteration of the layer scan (lax.scan's unroll). 0 = by backend, at trace time:
-    # on CPU the whole stack when it has at most UNROLL_LAYERS_CPU layers (a loop iteration
-    # costs more there than the compile time it saves: stacked residuals are zero-filled,
-    # sliced and copied) unless remat is on, else 1.
-    scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig(moe_config.MoEFields, _TransformerFields):
-    """A transformer's ``model`` section: its own fields, then the mixture-of-experts ones."""
+class TransformerConfig(moe_config.MoEFields, run_settings.RunSettings, _TransformerFields):
+    """A transformer's ``model`` section: its own fields, the run settings, then the mixture-of-experts ones."""
 
 
 def switches(cfg: TransformerConfig) -> decoder.DecoderConfig:
@@ -102,9 +81,9 @@ def build(cfg: TransformerConfig, element_spec: dict, rngs: nnx.Rngs) -> decoder
     return decoder.build(switches(cfg), element_spec, rngs)
 
 
-def traits(cfg: TransformerConfig) -> dict[str, Any]:
-    """What other code reads of `cfg` (:class:`meshpar.models.Traits`'s keyword arguments): its
-    decoder's, each set by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
+def traits(cfg: TransformerConfig) -> contract.Traits:
+    """What other code reads of `cfg` (:class:`meshpar.models.Traits`): its decoder's, each set
+    by the field of the same name (:func:`meshpar.models.decoder_family.traits`)."""
     return decoder_family.traits(switches(cfg), cfg)
 
 

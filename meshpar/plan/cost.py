@@ -4,44 +4,7 @@ the exposed feed, the batch axes and the batches resident beside a step.
 The step-time model (:mod:`meshpar.plan.time.timing`), the search's analytic ranking
 (:mod:`meshpar.plan.search.layouts`), the offload cost (:mod:`meshpar.plan.out_of_core.offload_cost`),
 compare-feeding and the pre-flight (:mod:`meshpar.plan.preflight`) all call these.
-
-**Capacity** (:func:`capacity`): what a plan may use on one device is
-
-    memory × allocator fraction × (1 − headroom)
-
-* *memory*: the device's. On a machine planned from its description (a topology file), its
-  datasheet figure; on this host's devices, the backend's own limit where it reports one
-  (``memory_stats()['bytes_limit']`` on GPU, which *is* memory × the allocator fraction, so the
-  fraction is not applied twice); on CPU, the host's RAM (or its cgroup's limit, when lower)
-  divided by the simulated devices, which share it. ``hardware.memory_gib``, when set, is the
-  capacity of a smaller device planned for (never above the backend's limit: a smaller device
-  can be planned for, not a larger one).
-* *allocator fraction* (:func:`meshpar.backend.allocator.allocator_fraction`): XLA's GPU allocator preallocates a share
-  of the device and never grows past it — ``XLA_CLIENT_MEM_FRACTION``, or its older name
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 when neither is set. 1 on CPU (no allocator cap).
-* *headroom*: :data:`HEADROOM_FRACTION` of the capacity kept free. Neither the analytic model
-  nor XLA's figures for one compiled step count allocator fragmentation or the small buffers
-  that live outside the step (metrics fetched a step late, stop flags), so a plan that needs
-  every last byte is not called a fit. A fraction, not a fixed amount, because fragmentation
-  grows with the size of the buffers, from a 1 GiB CPU share to a 141 GB GPU.
-
-**Collectives** (:func:`collective_seconds`): on a link with a measured NCCL curve
-(``allreduce_us`` in its topology file), from that curve (:mod:`meshpar.plan.time.kernels`); else a
-ring on n devices sends ``bytes × factor`` per
-device over the link of the mesh axes it spans in ``steps`` sequential steps — all-reduce
-2(n−1)/n over 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n over n−1,
-collective-permute 1 over 1 — so its time is ``bytes × factor / bandwidth + latency × steps``.
-Over several axes at once it runs at the slowest of their links (:func:`axis_link`).
-
-**Feed** (:func:`feed_seconds`): the placement time of one process batch on the machine
-(:mod:`meshpar.plan.time.feed_time`). With ``feed.prefetch`` ≥ 1 a background thread places the next
-batch while the step computes, so only the part longer than the step's compute is exposed
-(:func:`exposed_feed_seconds`); with prefetch 0 all of it is.
-
-**Batches** (:func:`batch_axes`, :func:`resident_batches`): the mesh axes the layout's
-``batch`` rule names; the batches a device holds outside the step program — ``feed.prefetch``
-placed ahead, and under the lagged loop (:mod:`meshpar.run.loop`) the one a dispatched step still
-holds while the next is placed.
+The spec: docs/planning.md ("Capacity", "Shared figures").
 """
 
 from __future__ import annotations
@@ -59,6 +22,8 @@ from meshpar.plan.time import feed_time
 from meshpar.step import inputs
 
 GIB = 1 << 30
+# Kept free: neither the analytic model nor XLA's figures count allocator fragmentation or the small
+# buffers outside the step; a fraction, as fragmentation grows with the buffers (docs/planning.md).
 HEADROOM_FRACTION = 0.05
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +110,7 @@ def capacity_from(
     """The per-device capacity from what each of this process's mesh devices reports
     (``device.memory_stats()``, None where it reports nothing), ``hardware.memory_gib``
     (0 = unset), the platform and the host's RAM. Pure: the inputs are passed in. A backend
-    limit already is memory × the allocator fraction (see the module docstring).
+    limit already is memory × the allocator fraction (see docs/planning.md).
 
     `oversubscription` (unified memory, :func:`oversubscription`): the backend's limit is the
     device's memory × the fraction in effect (:func:`allocator_fraction`), and
@@ -239,7 +204,7 @@ def axis_link(topo, mesh_shape: Mapping[str, int], axes):
 def collective_seconds(kind: str, nbytes: float, n: int, link, executions: int = 1) -> float:
     """Seconds of `executions` collectives of `kind` moving `nbytes` per device each over `n`
     devices on `link`: from the link's measured NCCL curve where its file gives one
-    (:class:`meshpar.plan.time.kernels.Curve`), else as a ring (see the module docstring)."""
+    (:class:`meshpar.plan.time.kernels.Curve`), else as a ring (see docs/planning.md)."""
     if n <= 1:
         return 0.0
     curve = getattr(link, "curve", None)

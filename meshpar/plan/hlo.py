@@ -1,14 +1,14 @@
 """The optimised HLO text of a compiled program, parsed: computations, instructions, shapes, loop trip counts.
 
-What :mod:`meshpar.plan.time.timing` reads to count FLOPs, bytes and collectives. Only what those
+What the step-time model (:mod:`meshpar.plan.time`) reads to count FLOPs, bytes and collectives. Only what those
 need is parsed: each instruction's name, result shape, opcode, operands and attributes, which
 instruction is each computation's root, and the JSON ``backend_config`` where an op's cost is
 stated there (GPU GEMM and cuDNN custom-calls, fusion kinds). The text may carry
 ``metadata={...}`` and the ``FileNames``/``StackFrames`` blocks or not: both read the same.
 
 Also here, as properties of one op of the text: the FLOPs it computes (XLA's cost-analysis
-rules, and the work of GPU library calls from their shapes and configs; the rules are stated in
-:mod:`meshpar.plan.time.timing`'s docstring, with the rest of the model).
+rules, and the work of GPU library calls from their shapes and configs). The rules are
+implemented here; their spec, with the rest of the time model: docs/time-model.md ("FLOPs").
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def unwrap(op: Op) -> Op:
 
 def op_flops(module: Module, computation: str, op: Op, flops: Callable[[str], float]) -> float:
     """FLOPs of one execution of `op` (in `computation`) by XLA's rules (see
-    :mod:`meshpar.plan.time.timing`), `flops` giving those of a called computation (see :func:`flops_of`)."""
+    docs/time-model.md), `flops` giving those of a called computation (see :func:`flops_of`)."""
     op = unwrap(op)
     code = op.opcode
     if code in _ELEMENTWISE:

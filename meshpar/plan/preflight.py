@@ -1,28 +1,28 @@
 """A run's memory pre-flight (``plan.check``): before anything is allocated, does it fit?
 
-:func:`meshpar.run.experiment.build` calls it once the mesh, the layout and the state's plan exist
-(shapes and shardings only) and before any state is initialised, restored or placed:
+:func:`meshpar.run.experiment.build` hands it the built step (shapes and shardings only) and,
+once compiled, the run's programs; it returns a verdict or raises a refusal, and never compiles
+or builds anything itself:
 
-1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory.analytic`) against the usable
-   bytes of one device (:func:`meshpar.plan.cost.device_capacity`). Nothing is compiled, so a
-   layout that cannot fit, however absurd its size, is refused in seconds. For a config out of
-   the model's scope on its platform (:func:`meshpar.plan.memory.analytic.out_of_scope`) only the exact
-   categories (state and batches) are held against the capacity here.
-2. :func:`check_compiled` — the train step compiled ahead of time on abstract arguments
-   (:func:`meshpar.plan.report.plan`), refused if XLA's figures (the peak of every program the
-   run executes) do not fit. The run then calls that compiled step: it is not compiled twice.
+1. :func:`check_analytic` — the analytic model (:mod:`meshpar.plan.memory.analytic`) against the
+   usable bytes of one device (:func:`meshpar.plan.cost.device_capacity`), before anything is
+   compiled, so a layout that cannot fit, however absurd its size, is refused in seconds. For a
+   config out of the model's scope on its platform only the exact categories (state and
+   batches) are held against the capacity here.
+2. :func:`check_compiled` — XLA's figures for the compiled programs (the peak of every program
+   the run executes: :mod:`meshpar.plan.programs`) against the same capacity.
 
-A refusal is a :class:`~meshpar.configuration.config.ConfigError` (exit 2, one line) that says what is
-needed, what is usable and where that figure comes from, the largest category, and the first
-change from a fixed list that fits (:mod:`meshpar.plan.search.candidates`), or that none does.
-
-In a multi-process run every process computes the same analytic figures (they come from shapes
-and shardings alone), takes the smallest capacity of all processes and the largest XLA figure,
-exchanged through the coordination service: every process reaches the same verdict, and a
-refusal on one is a refusal on all.
+A refusal is a :class:`~meshpar.configuration.config.ConfigError` (exit 2, one line) that says
+what is needed, what is usable and where that figure comes from, the largest category, and the
+first change from a fixed list that fits (:mod:`meshpar.plan.search.candidates`), or that none
+does. In a multi-process run every process reaches the same verdict: the analytic figures come
+from shapes and shardings alone, and the smallest capacity and the largest XLA figure of all
+processes are exchanged through the coordination service.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
@@ -32,8 +32,9 @@ from meshpar.plan import report as report_lib
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.report import fmt_bytes
 from meshpar.plan.search import candidates as candidates_lib
-from meshpar.processes import distributed
+from meshpar.processes import agreement
 from meshpar.step import parts
+from meshpar.step.programs import Programs
 
 # How long a process waits for the others' figures (they may still be reading their data).
 AGREE_TIMEOUT_S = 600
@@ -41,9 +42,21 @@ AGREE_TIMEOUT_S = 600
 CATEGORY_KEYS = {"inputs": "train.batch_size", "relay_inputs": "train.batch_size", "activations": "train.batch_size"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The pre-flight's verdict on a step that fits: what it needs per device and by which
+    figure, against the usable capacity."""
+
+    breakdown: memory.Breakdown  # the analytic model's categories
+    capacity: cost.Capacity
+    needed_bytes: int
+    needed_from: str  # "analytic total", "state and batches alone", or the compiled program's peak
+    report: report_lib.Report | None = None  # XLA's figures, once the programs are compiled
+
+
 def _agree(name: str, value, combine):
-    """Every process's pre-flight figure `name`, combined (see :func:`meshpar.processes.distributed.agree`)."""
-    return distributed.agree(f"preflight/{name}", value, combine, AGREE_TIMEOUT_S)
+    """Every process's pre-flight figure `name`, combined (see :func:`meshpar.processes.agreement.agree`)."""
+    return agreement.agree(f"preflight/{name}", value, combine, AGREE_TIMEOUT_S)
 
 
 def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> cost.Capacity:
@@ -58,31 +71,24 @@ def device_capacity(cfg: Config, mesh: jax.sharding.Mesh) -> cost.Capacity:
     return own
 
 
-def in_scope(cfg: Config, step: parts.AbstractStep) -> bool:
+def in_scope(step: parts.AbstractStep) -> bool:
     """Whether the analytic model gives a figure for this config on its platform: out of its
     scope (:func:`meshpar.plan.memory.analytic.out_of_scope`) the compiled check alone decides; the
     analytic breakdown still names the largest category and sizes the candidates."""
-    return memory.out_of_scope(cfg, report_lib.platform(step)) is None
+    return memory.out_of_scope(step.cfg, report_lib.platform(step)) is None
 
 
 def _largest(breakdown: memory.Breakdown) -> tuple[str, int]:
     return max(breakdown.categories.items(), key=lambda kv: kv[1])
 
 
-def refusal(
-    cfg: Config,
-    step: parts.AbstractStep,
-    element_spec: dict,
-    needed: int,
-    breakdown: memory.Breakdown,
-    capacity: cost.Capacity,
-    by: str = "",
-) -> ConfigError:
-    """The one-line error for a config that needs `needed` bytes per device (`by`: by which
+def refusal(step: parts.AbstractStep, needed: int, breakdown: memory.Breakdown, capacity: cost.Capacity,
+            by: str = "") -> ConfigError:  # fmt: skip
+    """The one-line error for a step that needs `needed` bytes per device (`by`: by which
     figure, when not the analytic total), with the first candidate change that fits."""
     usable = capacity.usable_bytes
     scale = max(needed / breakdown.total, 1.0) if breakdown.total else 1.0
-    found = candidates_lib.search(cfg, step, element_spec, usable, scale)
+    found = candidates_lib.search(step, usable, scale)
     name, size = _largest(breakdown)
     head = (
         f"does not fit: needs {fmt_bytes(needed)} per device{f' ({by})' if by else ''} "
@@ -99,35 +105,28 @@ def refusal(
     return ConfigError(CATEGORY_KEYS.get(name, "model"), f"{head}; {tail}")
 
 
-def check_analytic(cfg: Config, step: parts.AbstractStep, element_spec: dict) -> tuple[memory.Breakdown, cost.Capacity]:
+def check_analytic(step: parts.AbstractStep) -> Verdict:
     """The analytic model against the capacity; raises the refusal (see :func:`refusal`) when it
     does not fit. Nothing is compiled or allocated."""
-    capacity = device_capacity(cfg, step.mesh)
-    breakdown = memory.analytic(cfg, step)
+    capacity = device_capacity(step.cfg, step.mesh)
+    breakdown = memory.analytic(step)
     # Out of the model's scope its exact categories (state, batches) still bound the need from below.
-    if in_scope(cfg, step):
-        needed, by = breakdown.total, ""
+    if in_scope(step):
+        needed, by = breakdown.total, "analytic total"
     else:
         needed, by = sum(breakdown.categories.get(c, 0) for c in breakdown.exact), "state and batches alone"
     if needed > capacity.usable_bytes:
-        raise refusal(cfg, step, element_spec, needed, breakdown, capacity, by=by)
-    return breakdown, capacity
+        raise refusal(step, needed, breakdown, capacity, by="" if by == "analytic total" else by)
+    return Verdict(breakdown, capacity, needed, by)
 
 
-def check_compiled(
-    cfg: Config,
-    step: parts.AbstractStep,
-    element_spec: dict,
-    breakdown: memory.Breakdown,
-    capacity: cost.Capacity,
-) -> dict[str, jax.stages.Compiled]:
-    """Compile the train step ahead of time and hold XLA's figures against the capacity; raises
-    the refusal when they do not fit (the candidates are then held to the analytic totals
-    scaled by XLA's excess). Returns every program the run executes, compiled, by name (see
-    :mod:`meshpar.plan.programs`: ``train step``, ``eval step``, ``checkpoint digest``), for
-    the run to call instead of compiling them again."""
-    report = report_lib.plan(cfg, step, breakdown if in_scope(cfg, step) else None)
+def check_compiled(step: parts.AbstractStep, programs: Programs, verdict: Verdict) -> Verdict:
+    """XLA's figures for the run's compiled `programs` against the capacity of the analytic
+    `verdict`; raises the refusal when they do not fit (the candidates are then held to the
+    analytic totals scaled by XLA's excess)."""
+    breakdown, capacity = verdict.breakdown, verdict.capacity
+    report = report_lib.plan(step, programs, breakdown if in_scope(step) else None, capacity)
     needed = _agree("needed", report.needed_bytes, max)
     if needed > capacity.usable_bytes:
-        raise refusal(cfg, step, element_spec, needed, breakdown, capacity, by=report.needed_from)
-    return {p.program: p.compiled for p in report.programs}
+        raise refusal(step, needed, breakdown, capacity, by=report.needed_from)
+    return Verdict(breakdown, capacity, needed, report.needed_from, report)

@@ -1,4 +1,5 @@
-"""Every program a run executes, each with its own per-device peak, compiled ahead of time.
+"""The per-device peak of every program a run executes (compiled once by
+:mod:`meshpar.step.programs`; read here, never compiled).
 
 A run executes more than its train step, and each program peaks with different buffers alive
 beside it. Per device, in bytes, each peak is XLA's total for the program (argument + output +
@@ -30,12 +31,12 @@ import math
 
 import jax
 
-from meshpar.checkpoints import integrity
 from meshpar.configuration.config import Config
 from meshpar.plan import cost
 from meshpar.plan.time import feed_time
 from meshpar.sharding import offload
-from meshpar.step import aot, parts, trainer
+from meshpar.step import aot, parts
+from meshpar.step.programs import Programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,38 +70,20 @@ def _device_bytes(abstract) -> int:
     return aot.shard_bytes([a for a in jax.tree.leaves(abstract) if not offload.on_host(a.sharding)])
 
 
-def runs_eval(cfg: Config) -> bool:
-    return cfg.train.eval_every > 0
-
-
-def saves(cfg: Config) -> bool:
-    """Whether the run saves checkpoints (periodically, or at the end of a resumable run)."""
-    return bool(cfg.checkpoint.every or cfg.checkpoint.resume == "auto")
-
-
-def peaks(cfg: Config, step: parts.AbstractStep, train: jax.stages.Compiled) -> list[Peak]:
-    """The peak of every program the config's run executes (the train step already compiled as
-    `train`; the others compiled here on abstract arguments, nothing allocated), each with its
-    compiled program, which a run calls instead of compiling it again."""
+def peaks(step: parts.AbstractStep, programs: Programs) -> list[Peak]:
+    """The peak of every program the step's run executes (`programs`, compiled once from the
+    step), each with what is resident beside it."""
+    cfg = step.cfg
     state, batch, _ = step.args
     one_batch = aot.shard_bytes(batch)
     prefetched = {"prefetched batches": one_batch * cfg.feed.prefetch} if cfg.feed.prefetch else {}
     relay = {"relay copy of the process batch": relay_bytes(cfg, batch)} if cfg.feed.mode == "routed" else {}
     lagged = cost.resident_batches(cfg) - cfg.feed.prefetch  # the one a dispatched step still holds
     in_flight = {"batch of the step in flight": one_batch * lagged} if lagged else {}
-    out = [Peak("train step", aot.memory(train), {**prefetched, **in_flight, **relay}, train)]
-    if runs_eval(cfg):
-        shardings = {k: b.sharding for k, b in batch.items()}
-        plan = step.plan
-        evaluate = trainer.make_eval_step(
-            plan.graphdef, step.layout, step.mesh, plan.shardings.params, shardings, plan.schedule
-        )
-        compiled = evaluate.lower(state.params, batch).compile()
-        rest = _device_bytes(state) - _device_bytes(state.params)
-        resident = {"optimizer state, step, rng": rest, **prefetched, **relay}
-        out.append(Peak("eval step", aot.memory(compiled), resident, compiled))
-    if saves(cfg):
-        leaves = jax.tree.leaves(state)
-        compiled = integrity.digest_program(leaves).compile()
-        out.append(Peak("checkpoint digest", aot.memory(compiled), {**prefetched, **relay}, compiled))
-    return out
+    resident = {
+        "train step": {**prefetched, **in_flight, **relay},
+        "eval step": {"optimizer state, step, rng": _device_bytes(state) - _device_bytes(state.params),
+                      **prefetched, **relay},
+        "checkpoint digest": {**prefetched, **relay},
+    }  # fmt: skip
+    return [Peak(name, aot.memory(compiled), resident[name], compiled) for name, compiled in programs.named()]

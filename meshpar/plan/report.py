@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
-from meshpar.configuration import errors
-from meshpar.configuration.config import Config
 from meshpar.plan import cost
 from meshpar.plan import programs as programs_lib
 from meshpar.plan.memory import analytic as memory
 from meshpar.sharding import mesh as mesh_lib
 from meshpar.step import aot, parts
+from meshpar.step.programs import Programs
 
 # Analytic categories beside the XLA figure they are part of (see the module docstring).
 GROUPS = (
@@ -127,35 +124,26 @@ def platform(step: parts.AbstractStep) -> str:
     return step.mesh.devices.flat[0].platform
 
 
-def _analytic(cfg: Config, step: parts.AbstractStep):
+def _analytic(step: parts.AbstractStep):
     """The analytic breakdown, or None and why: a config out of the model's scope on this
     platform (:func:`meshpar.plan.memory.analytic.out_of_scope`) gets no figure."""
-    reason = memory.out_of_scope(cfg, platform(step))
+    reason = memory.out_of_scope(step.cfg, platform(step))
     if reason:
         return None, f"out of scope: {reason}"
-    return memory.analytic(cfg, step), None
+    return memory.analytic(step), None
 
 
-def plan(cfg: Config, step: parts.AbstractStep | None = None, analytic=None, capacity=None) -> Report:
-    """Compile the config's train step on abstract inputs (nothing is allocated) and set XLA's
-    figures beside the analytic model and the device capacity. `step`: the abstract step when
-    the caller has built it already (a run's pre-flight), with `analytic` its breakdown when
-    known (:func:`meshpar.plan.memory.analytic.analytic`); the compiled step is kept in
-    ``Report.compiled`` for the run to use instead of compiling it again. `capacity`: the
-    device's (:class:`meshpar.plan.cost.Capacity`) when the step's devices cannot say (a
-    compile target's: the machine's, :func:`meshpar.plan.cost.machine_capacity`)."""
-    step = step or parts.abstract_step(cfg)
-    analytic, missing = (analytic, None) if analytic is not None else _analytic(cfg, step)  # None: out of scope
-    try:
-        compiled = step.lower().compile()
-    except jax.errors.JaxRuntimeError as e:  # the compiler's own failure: one line, not its traceback
-        first = str(e).splitlines()[0].split(", metadata=")[0]
-        where = f"{step.mesh.size} {step.mesh.devices.flat[0].platform} devices ({mesh_lib.describe(step.mesh)})"
-        raise errors.CompileError(f"XLA cannot compile the train step for {where}: {first}") from None
+def plan(step: parts.AbstractStep, programs: Programs, analytic=None, capacity=None) -> Report:
+    """XLA's figures for the step's compiled `programs` (:func:`meshpar.step.programs.compile_all`)
+    beside the analytic model and the device capacity. `analytic`: the step's breakdown when
+    known (:func:`meshpar.plan.memory.analytic.analytic`), else computed here. `capacity`: the
+    device's (:class:`meshpar.plan.cost.Capacity`) when the step's devices cannot say (a compile
+    target's: the machine's, :func:`meshpar.plan.cost.machine_capacity`)."""
+    analytic, missing = (analytic, None) if analytic is not None else _analytic(step)  # None: out of scope
     return Report(
-        mesh_lib.describe(step.mesh), f"{step.mesh.size} {step.mesh.devices.flat[0].platform}",
-        analytic, missing, aot.memory(compiled), capacity or cost.device_capacity(cfg, step.mesh),
-        tuple(programs_lib.peaks(cfg, step, compiled)), compiled,
+        mesh_lib.describe(step.mesh), f"{step.mesh.size} {platform(step)}",
+        analytic, missing, aot.memory(programs.train), capacity or cost.device_capacity(step.cfg, step.mesh),
+        tuple(programs_lib.peaks(step, programs)), programs.train,
     )  # fmt: skip
 
 

@@ -108,8 +108,9 @@ def local_batch(cfg: Config, batch: dict, placed: list[tuple[int, ...]] | None =
     return jax.tree.unflatten(tree, local)
 
 
-def device_batch(cfg: Config, step: parts.AbstractStep) -> dict:
+def device_batch(step: parts.AbstractStep) -> dict:
     """One device's shard of one microbatch, every dim as the model places it (see :func:`placed_shapes`)."""
+    cfg = step.cfg
     _, batch, _ = step.args  # the parameters without their placement: offloaded ones are no different here
     return local_batch(
         cfg, batch, placed_shapes(step.plan.graphdef, step.plan.abstract.params, batch, step.layout, step.mesh)

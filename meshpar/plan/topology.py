@@ -19,6 +19,7 @@ import functools
 import math
 import pathlib
 import time
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from input_pipeline.feeding import DirectFeeder, RoutedFeeder
-from meshpar.configuration.config import ConfigError
-from meshpar.configuration.schema import parse_yaml
+from meshpar.configuration.schema import ConfigError, is_number, parse_yaml
 from meshpar.plan import cost
 from meshpar.plan.time import kernels as kernels_lib
 
@@ -99,14 +99,12 @@ def gpu_spec(spec, where: str) -> GpuSpec:
     """A topology file's ``gpu:`` mapping as a GpuSpec (every key of GPU_KEYS, of its type)."""
     if not isinstance(spec, dict):
         raise ConfigError(KEY, f"{where}: expected a mapping with {', '.join(GPU_KEYS)}")
-    unknown = sorted(set(spec) - set(GPU_KEYS))
-    if unknown:
-        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+    _known_keys(spec, GPU_KEYS, where)
     values = {}
     for key, kind in GPU_KEYS.items():
         value = spec.get(key)
         if kind is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool) or value == "":
+            if not (isinstance(value, str) or is_number(value)) or value == "":
                 raise ConfigError(KEY, f"{where}.{key}: expected text, got {value!r}")
             values[key] = str(value)
         else:
@@ -245,9 +243,7 @@ LINK_KEYS = ("kind", "gbps", "efficiency", "latency_us", "allreduce_us")
 def _link(spec, where: str) -> Link:
     if not isinstance(spec, dict):
         raise ConfigError(KEY, f"{where}: expected a mapping with gbps, efficiency, latency_us")
-    unknown = sorted(set(spec) - set(LINK_KEYS))
-    if unknown:
-        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+    _known_keys(spec, LINK_KEYS, where)
     bw = _positive(spec, "gbps", where) * 1e9 * _fraction(spec, where)
     kind = spec.get("kind", "pcie")
     if kind not in LINK_KINDS:
@@ -256,9 +252,16 @@ def _link(spec, where: str) -> Link:
     return Link(bw, float(spec.get("latency_us", 0.0)) * 1e-6, kind, curve)
 
 
+def _known_keys(spec: dict, known: Collection, where: str) -> None:
+    """A topology file's mapping names only `known` keys; else one line naming the first other one."""
+    unknown = sorted(set(spec) - set(known))
+    if unknown:
+        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+
+
 def _positive(spec: dict, key: str, where: str) -> float:
     value = spec.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ConfigError(KEY, f"{where}.{key}: expected a positive number, got {value!r}")
     return float(value)
 
@@ -277,9 +280,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
     known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
              "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
              "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory", "kernels"}  # fmt: skip
-    unknown = sorted(set(spec) - known)
-    if unknown:
-        raise ConfigError(KEY, f"{where}: unknown key {unknown[0]!r}")
+    _known_keys(spec, known, where)
     n = int(_positive(spec, "num_devices", where))
     hosts = int(_positive(spec, "hosts", where)) if "hosts" in spec else 1
     if n % hosts:
@@ -304,7 +305,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}.unified_memory: expected a mapping with page_mib and fault_us")
     page = _positive(um, "page_mib", f"{where}.unified_memory") * (1 << 20) if "page_mib" in um else UM_PAGE_BYTES
     fault = um.get("fault_us", UM_FAULT_S * 1e6)
-    if not isinstance(fault, (int, float)) or isinstance(fault, bool) or not 0 <= fault < math.inf:
+    if not is_number(fault) or not 0 <= fault < math.inf:
         raise ConfigError(KEY, f"{where}.unified_memory.fault_us: expected a number >= 0, got {fault!r}")
     fault = float(fault) * 1e-6
     if spec.get("gpu") is not None and spec.get("kernels") is None:

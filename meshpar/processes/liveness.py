@@ -1,38 +1,13 @@
 """Which process of a multi-process run is lost: heartbeats through the coordination service.
 
-A process killed outright (SIGKILL, the OOM killer, a lost machine) cannot tell anyone. Its
-TCP connections close, but gloo mostly does not report it, and the survivors' collectives
-wait. jax's coordination service declares it dead only once it has missed its heartbeats for
-jax's heartbeat timeout (jax's C++ client beats every half timeout, so that comes between half
-the timeout and all of it after the death: 16 s measured at 20 s), and then every survivor's
-error-polling thread calls ``LOG(FATAL)``: exit 134 (SIGABRT), jax's "Terminating process
-because the JAX distributed service detected fatal errors" and a C++ stack trace. So meshpar
-watches itself, through the coordination service's key-value store
-(:mod:`meshpar.processes.distributed` runs the threads and ends the processes):
-
-- every process but 0 raises a counter, ``meshpar/alive/<process>``, every :func:`period`
-  (``min(1 s, heartbeat_timeout_seconds / 5)``) from a daemon thread of its own (:func:`beat`):
-  a process busy in a long XLA compile or a checkpoint save still beats (both release the GIL;
-  what would stop the beat is C code holding the GIL for seconds, or the process stopped);
-- process 0 reads every counter in one call (:func:`read`) at the same rate; one that has not
-  moved for ``distributed.heartbeat_timeout_seconds`` (default 10 s) is a lost process
-  (:class:`Silence`). Process 0 needs no counter of its own: when it goes, the coordination
-  service goes with it, and every other process's next read of the store fails at once;
-- a process that finishes writes ``done`` in place of its counter first;
-- should process 0's reads themselves be held up for half the timeout (a stopped or starved
-  machine: nobody beat), it starts counting afresh instead of blaming the others;
-- jax's own heartbeat timeout is set to :func:`jax_heartbeat_timeout` (``2 * (timeout + 10)``):
-  it fires half that after the last beat at the earliest, after meshpar's check, and stays the
-  backstop (for a lost process 0 as well, and for a peer lost while process 0 itself is stuck).
-
-jax's client has ``get_live_nodes``, but it is a barrier (it returns once every live process
-has called it) that learns of a death from the same heartbeat timeout: no use here.
-
-Measured with jax 0.10.2 and 0.12 on CPU/gloo (tests/test_distributed.py), two processes of
-experiments/mlp_model_parallel.yaml, one SIGKILLed: the survivor ends ~10 s after the kill at
-the default 10 s, with ``training error: lost process 1 (no heartbeat for 10 s); last
-checkpoint: step K in DIR`` and exit status 1 (jax alone: exit 134, 16 s after the kill at its
-then default 20 s).
+A process killed outright (SIGKILL, the OOM killer, a lost machine) cannot tell anyone, and
+jax declares it dead only after its heartbeat timeout, with a C++ abort on every survivor. So
+every process but 0 raises a counter (``meshpar/alive/<process>``) every :func:`period` from a
+thread of its own (:func:`beat`), and process 0 reads them all (:func:`read`): one that has not
+moved for ``distributed.heartbeat_timeout_seconds`` is a lost process (:class:`Silence`).
+jax's own heartbeat timeout (:func:`jax_heartbeat_timeout`) stays the backstop.
+:mod:`meshpar.processes.together` runs the threads and ends the processes. The design and
+its measurements: docs/multi-process.md, "Naming a lost peer".
 """
 
 from __future__ import annotations

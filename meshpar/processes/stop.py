@@ -10,7 +10,7 @@ there: no host collective is added to any step. The loop reads a step's results 
 step's state, the run stops at that next step instead, on every process alike.
 
 ``jax.distributed.initialize`` installs the preemption service's own SIGTERM notifier;
-:mod:`meshpar.processes.distributed` turns that service off, so SIGTERM is this module's alone.
+:mod:`meshpar.processes.joining` turns that service off, so SIGTERM is this module's alone.
 """
 
 from __future__ import annotations

@@ -32,10 +32,8 @@ from meshpar.configuration.errors import CheckpointError
 from meshpar.configuration.schema import build
 from meshpar.hf import export, files, names, writer
 from meshpar.hf import load as hf_load
-from meshpar.run import init_from
+from meshpar.run import experiment, init_from
 from meshpar.run import resume as resume_lib
-from meshpar.step import inputs as inputs_lib
-from meshpar.step import parts
 
 
 @dataclasses.dataclass
@@ -59,11 +57,7 @@ def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
     checkpoint = dataclasses.replace(cfg.checkpoint, dir="", resume="never", overwrite=False)
     cfg = dataclasses.replace(cfg, workdir=str(workdir), checkpoint=checkpoint)
     source = hf_load.open(hf_dir, cfg.model)
-    mesh = parts.make_mesh(cfg)
-    layout = parts.make_layout(cfg, mesh)
-    inputs = inputs_lib.build(cfg, mesh, layout)
-    record = resume_lib.record(cfg, inputs)
-    step = parts.assemble(cfg, mesh, layout, inputs.element_spec, inputs.shardings, record["decay_steps"])
+    step, _, record = experiment.built(cfg)
     with files.new_folder(workdir, "workdir") as tmp:
         params, report = source.load(step.plan.abstract.params, step.plan.shardings.params)
         state = init_from.fresh_state(params, step.plan, step.tx, cfg.train.seed)
@@ -73,7 +67,7 @@ def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
         finally:
             ckpt.close()
         copied = files.copy_present(hf_dir, tmp, {**{n: n for n in files.TOKENIZER_FILES}, **files.KEPT})
-    return FromHF(source, report, workdir / "checkpoints" / "0", copied, cfg.mesh_str, str(layout))
+    return FromHF(source, report, workdir / "checkpoints" / "0", copied, cfg.mesh_str, str(step.layout))
 
 
 def model_config(run: init_from.SavedRun):

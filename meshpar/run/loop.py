@@ -1,38 +1,13 @@
 """The train loop: steps, and between them logging, eval, checkpoints and stopping, as calls.
 
-**No per-step host sync.** A step's results (loss, gradient norm, the stop flag, the model's
-metrics) are fetched one step late: the loop dispatches step n+1, then waits for step n's
-results, so the host prepares and dispatches the next step while the devices compute and the
-devices never wait on the host. At most two train steps are in flight. The state a step
-returns is donated to the next step, so it can only be saved or evaluated before that next
-step is dispatched: the loop waits for a step right after dispatching it (a *sync step*)
-exactly where its state is needed or the run ends there — checkpoint steps, eval steps, the
-last step, a stop, and the step before and the last step of a ``train.profile`` trace. Log
-steps do not sync: their rows are written from the fetched values a step later. Checkpoint
-digests and eval run at sync steps only, with no train step in flight.
-``train.sync_every_step: true`` makes every step a sync step (same results, bit for bit).
-
-- **Stopping** (SIGINT/SIGTERM, see :mod:`meshpar.processes.stop`): a step's ``stop`` output is read
-  with its other results. Read at a sync step, the run stops there; read a step late, step n+1
-  has already consumed step n's state, so the run stops at n+1, which is made a sync step and
-  saved. Every process reads the same flag at the same step and makes the same choice, so all
-  stop and save at the same step.
-- **The NaN guard** checks every step's loss and gradient norm in step order, so the first
-  non-finite step is the one named; a sync step is checked before its state is saved, so a
-  non-finite state is never saved.
-- **Settings that cannot take effect as written** (a ``train.profile`` window past the run,
-  ``train.eval_batches`` beyond the eval split) are said before the first step, one line each
-  on stderr (:func:`notices`), with what is done instead.
-- **Input batches**: a batch is dropped once its step is dispatched; its device buffers stay
-  alive until that step has run, so while one step runs and the next is placed, one more batch
-  than ``feed.prefetch + 1`` may occupy device memory.
-
-Two clocks, never mixed: ``step_time_s`` is one step from when it could start — its dispatch,
-or the arrival on the host of the previous step's results if later (one step runs at a time)
-— until its own results are on the host (see :class:`meshpar.run.metrics.RunStats`), and
-``wall_time_per_step_s`` is the whole loop's wall time divided by its steps. Throughput
-(examples/s, tokens/s, TFLOP/s, MFU) comes from wall time; the same figures from step time
-carry a ``step_`` prefix.
+No per-step host sync: a step's results are fetched one step late (the loop dispatches step
+n+1, then waits for step n's), so the devices never wait on the host; the loop syncs right
+after dispatching a step only where its state is needed before the next step takes it over
+(checkpoint and eval steps, the last step, a stop, the edges of a ``train.profile`` trace).
+``train.sync_every_step: true`` syncs every step, with the same results bit for bit. Stopping
+on a signal, the NaN guard, the notices said before the first step, the batches in device
+memory and the two clocks (``step_time_s`` vs ``wall_time_per_step_s``): docs/running.md,
+"The loop: no per-step sync".
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """Host offload (the ``offload`` config section): which parts of training live in the host's
 pinned memory instead of on the devices, and the moves that bring them to the devices inside
-the jitted step.
+the jitted step, all carried by JAX memory kinds.
 
-JAX memory kinds carry it all. A sharding with ``memory_kind="pinned_host"`` places an array
-in the host memory of the device that owns each shard; inside a jitted computation
-``jax.device_put(x, sharding.with_memory_kind("device"))`` moves it to the device and an
-output sharding in ``pinned_host`` writes a result back. One operation may not mix the two
-kinds (a trace-time error, on every backend), so every offloaded array is moved before its
-first use.
-
-* **Optimizer state** (``offload.optimizer``): its shardings in the state plan carry
-  ``pinned_host`` (:func:`place_state`), so initialisation, checkpoint restore and the train
-  step all agree; the step brings it to the devices for the update (:func:`fetch`) and the
-  step's output shardings write it back. The state is donated as always.
-* **Parameters** (``offload.params``): the same, and every use of a weight inside the model
-  first moves it to the devices (:func:`meshpar.sharding.layout.use`, told by
-  :func:`meshpar.sharding.layout.activate`): a scanned layer stack is sliced in host memory by the
-  layer loop and each layer's slice moved inside the loop body, one layer at a time; the
-  other weights where they are used. The gradient of a host array is a host array, so each
-  layer's weight gradient goes back to host memory in the backward pass, and the update
-  brings gradients and parameters to the devices once more. What it saves: the parameters'
-  device memory between steps and through the forward pass. What it does not: the update
-  still holds every parameter, its gradient and (unless offloaded too) the optimizer state
-  on the devices at once, and with ``model.remat: none`` the backward pass keeps each
-  layer's fetched weights as residuals (a remat policy, or activation offload, fetches them
-  again instead).
-* **Activations** (``offload.activations``): a remat policy that saves the named values of
-  each layer (the ``checkpoint_name`` tags its family lists per policy:
-  :attr:`meshpar.models.Family.activation_names`) in host memory, applied to the layer
-  inside the layer loop (:mod:`meshpar.models.remat`); it replaces ``model.remat``'s policy.
+* **Optimizer state** (``offload.optimizer``) and **parameters** (``offload.params``): their
+  shardings in the state plan carry ``pinned_host`` (:func:`place_state`), so initialisation,
+  checkpoint restore and the train step all agree; the step brings them to the devices
+  (:func:`fetch`; a weight where it is used: :func:`meshpar.sharding.layout.use`) and its output
+  shardings write them back.
+* **Activations** (``offload.activations``): a remat policy that saves the values its model
+  family names (:meth:`meshpar.models.Family.kept_activations`) in host memory, inside the
+  layer loop (:mod:`meshpar.models.remat`); :func:`host_moves` reads what a traced step moves.
 
 On the CPU backend the memory kinds exist and survive the step, but XLA ignores memory spaces
-inside a computation: no bytes move and ``memory_analysis()`` reports no host bytes. Only a
-GPU shows what offload saves and costs (``scripts/bench_offload.py``).
+inside a computation: only a GPU shows what offload saves and costs. The design and the
+measurements: docs/offload.md.
 """
 
 from __future__ import annotations
@@ -41,29 +22,10 @@ from typing import Any
 
 import jax
 
-from meshpar import jaxprs, models
+from meshpar import jaxprs
 
 HOST = "pinned_host"
 DEVICE = "device"
-
-# offload.activations → the names (checkpoint_name tags) a step keeps in host memory: each
-# built-in family's own (meshpar.models.Family.activation_names), together. A model tags only
-# its own names, so each keeps what its family lists. A family from outside meshpar adds its own
-# at use time (activation_names).
-ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {}
-for _family in models.MODELS.values():
-    for _policy, _names in (_family.activation_names or {}).items():
-        _known = ACTIVATION_NAMES.setdefault(_policy, ())
-        ACTIVATION_NAMES[_policy] = _known + tuple(n for n in _names if n not in _known)
-
-
-def activation_names(model_name: str, policy: str) -> tuple[str, ...]:
-    """The names a step of family `model_name` keeps in host memory under ``offload.activations``
-    `policy`: for a built-in family :data:`ACTIVATION_NAMES`'s, for a family from outside
-    meshpar its own (none when it names none: the config refuses the policy then)."""
-    if model_name in models.MODELS:
-        return ACTIVATION_NAMES.get(policy, ())
-    return tuple((models.family(model_name).activation_names or {}).get(policy, ()))
 
 
 def on_host(sharding: Any) -> bool:

@@ -1,42 +1,20 @@
 """Pipeline parallelism over a stage axis: ``layers:<axis>`` in the layout.
 
-A layout rule ``layers:stage`` (mesh ``data:2,stage:2,model:2``) splits a model's layer stack
-into stages over the mesh axis ``stage``, and the layers run as a pipeline: the batch is cut into
+A layout rule ``layers:stage`` splits a model's layer stack into stages over the mesh axis
+``stage``, and the layers run as a pipeline (:func:`run`): the batch is cut into
 ``train.microbatches`` microbatches, each stage runs its layers on one microbatch per tick and
-hands the result to the next stage with a ``ppermute`` over the stage axis (and, in the backward
-pass, jax's transpose of it hands the cotangent back). The data, model and FSDP axes are left to
-XLA's partitioner inside the stage function (``jax.shard_map`` over the stage axis alone), so the
-model code is the same for every layout: it calls :func:`meshpar.models.layers.run_layers`, which
-runs the stack here when a schedule is active (:func:`running`).
+hands the result to the next stage with a ``ppermute`` over the stage axis. The other mesh axes
+are left to XLA's partitioner inside the stage function (``jax.shard_map`` over the stage axis
+alone), so the model code is the same for every layout: it calls
+:func:`meshpar.models.layers.run_layers`, which runs the stack here when a schedule is active
+(:func:`active`). Two schedules (``pipeline.schedule``, after MaxText's): ``gpipe`` and
+``circular`` (:class:`Schedule`). An op with its own partitioning rule runs fully manual inside
+a stage (:func:`manual`).
 
-An op with its own partitioning rule (jax's ``custom_partitioning``: cuDNN's fused attention)
-cannot be partitioned in a stage's partially manual region; :func:`manual` runs it fully manual
-there, each device on its block of the layout's split.
-
-Two schedules (``pipeline.schedule``), after MaxText's:
-
-* ``gpipe`` — stage s holds layers ``s·L/S .. (s+1)·L/S − 1``; microbatch m enters stage 0 at
-  tick m and leaves stage S−1 at tick m + S − 1: ``M + S − 1`` ticks, of which each stage idles
-  S − 1 (the bubble, ``(S − 1) / (M + S − 1)``). Any M ≥ 1 runs; M < S idles most of the time.
-* ``circular`` — each stage holds ``pipeline.repeats`` (R) groups of ``L / (S·R)`` layers, group r
-  of stage s being the canonical layers of block ``r·S + s``; a microbatch passes every stage R
-  times, re-entering stage 0 from stage S−1: ``R·M + S − 1`` ticks, bubble ``(S − 1) / (R·M + S −
-  1)``. A microbatch is back at stage 0 only after S ticks, so M ≥ S.
-
-Layers that report statistics (an MoE layer's load-balancing and z-losses, its dropped share:
-:mod:`meshpar.models.moe_stats`) hand them back beside the output: a stage adds its layers'
-values on the ticks it works and the pipeline returns each layer's mean over the microbatches,
-in canonical order (:func:`run`, ``aux``).
-
-The forward pass is one ``lax.scan`` over the ticks; its autodiff is the backward schedule, each
-tick's residuals (the stage's layers' for one microbatch, under ``model.remat``) kept for it:
-activation memory per stage is ``ticks / M`` times the batch's for its L/S layers.
-
-Layers are *stored* in the order each stage's slice of the ``layers`` dim needs: for ``gpipe``
-that is the canonical order; for ``circular`` stage s's contiguous slice holds its R groups, so
-the stored order is a permutation (:func:`stored_order`). Checkpoints always hold the canonical
-order: :class:`Reorder` converts a state at the run's edges (initialisation, saving, restoring),
-so a checkpoint moves between pipelined and non-pipelined layouts, both ways.
+Layers are *stored* in the order each stage's slice of the ``layers`` dim needs
+(:func:`stored_order`); checkpoints always hold the canonical order, and :class:`Reorder`
+converts a state at the run's edges. What runs, the schedules, the memory and the checks:
+docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -172,97 +150,124 @@ def run(
 
     Inside ``jax.shard_map`` over the stage axis (every other mesh axis left to the partitioner,
     so the layout's data, model and FSDP splits hold inside a stage as outside), stage s keeps
-    its slice of the stack and, per tick, runs one microbatch through one group of it; a
-    ``ppermute`` hands every stage's output to the next (stage S−1's to stage 0, where the
-    circular schedule re-enters it). The last stage collects each microbatch's output after its
-    last group; a ``psum`` over the stage axis gives every stage the result.
-
-    Statistics are collected alike: a stage adds its group's values to its sums on the ticks it
-    works (never in the bubble, where it runs on zeros), places its sums where its groups sit in
-    the canonical order, and a ``psum`` over the stage axis gathers every stage's. Divided by M,
-    a value that is a mean over its microbatch's tokens is the batch's mean: the microbatches
-    hold equally many tokens.
+    its slice of the stack and, per tick, runs one microbatch through one group of it
+    (:class:`_Stage`); a ``psum`` over the stage axis gives every stage the result.
     """
     mesh = layout_lib.active_mesh()
     if mesh is None:
         raise ValueError("a pipeline runs under an active layout (meshpar.sharding.layout.activate)")
-    axis, S, M, R = sched.axis, sched.stages, sched.microbatches, sched.repeats
-    micro = split_microbatches(x, M)  # [M, batch / M, ...]
+    axis = sched.axis
+    micro = split_microbatches(x, sched.microbatches)  # [M, batch / M, ...]
     n_layers = next(iter(stacked.values())).shape[0]
-    K = n_layers // (S * R)  # layers per group
-    shift = [(i, (i + 1) % S) for i in range(S)]
-
-    def varying(v):
-        return jax.lax.pcast(v, axis, to="varying")
-
-    def stages(w, micro, key):
-        s = jax.lax.axis_index(axis)
-        w = {name: v.reshape(R, K, *v.shape[1:]) for name, v in w.items()}  # this stage's [R, K, ...]
-        zeros = varying(jnp.zeros_like(micro))  # [M, batch / M, ...]
-
-        def group(r):
-            return {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in w.items()}
-
-        def tick(carry, t):
-            state, outputs, loop, sums = carry
-            if R > 1:
-                # What stage 0 received now is stage S−1's output of tick t − 1: microbatch
-                # (t − S) mod M after a group short of its last, kept until it re-enters.
-                back = jnp.maximum(t - S, 0) % M
-                kept = jnp.where(t >= S, state, jax.lax.dynamic_index_in_dim(loop, back, keepdims=False))
-                loop = jax.lax.dynamic_update_index_in_dim(loop, kept, back, 0)
-                fresh = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, M - 1), keepdims=False)
-                again = jax.lax.dynamic_index_in_dim(loop, t % M, keepdims=False)
-                first = jnp.where(t < M, varying(fresh), again)
-            else:
-                first = varying(jax.lax.dynamic_index_in_dim(micro, jnp.clip(t, 0, M - 1), keepdims=False))
-            h = jnp.where(s == 0, first, state)
-            i = t - s  # this stage's work item: microbatch i mod M of group i // M (idle outside 0 .. R·M − 1)
-            m, r = jnp.clip(i, 0, R * M - 1) % M, jnp.clip(i // M, 0, R - 1)
-            k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), r * S + s)
-            if R == 1:  # one group: the stage's whole slice, the same at every tick
-                out = run_stage({name: v[0] for name, v in w.items()}, h, k)
-            else:
-                # The group changes from tick to tick: the backward pass keeps each tick's copy
-                # of its weights (T copies of a group's), the circular schedule's price.
-                out = run_stage(group(r), h, k)
-            if aux:
-                out, values = out
-                busy = (i >= 0) & (i < R * M)
-
-                def add(total, v):  # total [R, K, ...] += v [K, ...] at group r, on a working tick
-                    at = jax.lax.dynamic_index_in_dim(total, r, keepdims=False)
-                    return jax.lax.dynamic_update_index_in_dim(total, at + jnp.where(busy, v, 0), r, 0)
-
-                sums = jax.tree.map(add, sums, values)
-            done = (s == S - 1) & (i >= (R - 1) * M) & (i < R * M)
-            slot = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
-            outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, slot), m, 0)
-            state = jax.lax.ppermute(out, axis, shift)
-            return (state, outputs, loop, sums), None
-
-        sums = {}
-        if aux:  # each value's sums over the microbatches, per group of this stage: [R, K, ...]
-            shapes = jax.eval_shape(run_stage, group(0), zeros[0], key)[1]
-            sums = jax.tree.map(lambda v: varying(jnp.zeros((R, *v.shape), v.dtype)), shapes)
-        init = (zeros[0], zeros, zeros if R > 1 else zeros[:0], sums)
-        (_, outputs, _, sums), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
-        out = jax.lax.psum(jnp.where(s == S - 1, outputs, 0), axis)
-
-        def canonical(total):  # group r of stage s is canonical block r·S + s: [R, S, K, ...] is that order
-            every = varying(jnp.zeros((R, S, *total.shape[1:]), total.dtype))
-            every = jax.lax.dynamic_update_index_in_dim(every, total[:, None], s, 1)
-            return jax.lax.psum(every.reshape(n_layers, *total.shape[2:]), axis) / M
-
-        return out, jax.tree.map(canonical, sums)
-
     keys = () if key is None else (key,)  # dropout's key, replicated
     in_specs = ({name: PartitionSpec(axis) for name in stacked}, PartitionSpec(), *(PartitionSpec() for _ in keys))
     out, values = jax.shard_map(
-        lambda w, micro, *k: stages(w, micro, k[0] if k else None),
+        lambda w, micro, *k: _run_stages(sched, run_stage, w, micro, k[0] if k else None, aux, n_layers),
         mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec()), axis_names={axis}, check_vma=True,
     )(stacked, micro, *keys)  # fmt: skip
     return (merge_microbatches(out), values) if aux else merge_microbatches(out)
+
+
+def _run_stages(sched: Schedule, run_stage: RunStage, w: dict, micro: jax.Array, key, aux: bool, n_layers: int):
+    """Inside the stage axis's ``shard_map``: every tick of the schedule on this stage (one
+    ``lax.scan``), then the last stage's outputs and every stage's statistics, by ``psum``."""
+    S, R = sched.stages, sched.repeats
+    K = n_layers // (S * R)  # layers per group
+    index = jax.lax.axis_index(sched.axis)
+    weights = {name: v.reshape(R, K, *v.shape[1:]) for name, v in w.items()}  # this stage's [R, K, ...]
+    stage = _Stage(sched, run_stage, weights, micro, key, aux, index)
+    zeros = stage.varying(jnp.zeros_like(micro))  # [M, batch / M, ...]
+    sums = {}
+    if aux:  # each value's sums over the microbatches, per group of this stage: [R, K, ...]
+        shapes = jax.eval_shape(run_stage, stage.group(0), zeros[0], key)[1]
+        sums = jax.tree.map(lambda v: stage.varying(jnp.zeros((R, *v.shape), v.dtype)), shapes)
+    init = (zeros[0], zeros, zeros if R > 1 else zeros[:0], sums)
+    (_, outputs, _, sums), _ = jax.lax.scan(stage.tick, init, jnp.arange(sched.ticks))
+    out = jax.lax.psum(jnp.where(stage.index == S - 1, outputs, 0), sched.axis)
+    return out, jax.tree.map(lambda total: stage.canonical(total, n_layers), sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One stage of the pipeline, inside the stage axis's ``shard_map``: per tick it takes a
+    microbatch in (stage 0: a fresh one, or one re-entering under the circular schedule; every
+    other stage: its predecessor's output), runs it through one group of its layers, and a
+    ``ppermute`` hands the result to the next stage (stage S−1's to stage 0). The last stage
+    collects each microbatch's output after its last group.
+
+    Statistics are collected alike: a stage adds its group's values to its sums on the ticks it
+    works (never in the bubble, where it runs on zeros), places its sums where its groups sit in
+    the canonical order (:meth:`canonical`), and a ``psum`` over the stage axis gathers every
+    stage's. Divided by M, a value that is a mean over its microbatch's tokens is the batch's
+    mean: the microbatches hold equally many tokens."""
+
+    sched: Schedule
+    run_stage: RunStage
+    weights: dict[str, jax.Array]  # this stage's groups of layers, each [R, K, ...]
+    micro: jax.Array  # [M, batch / M, ...]
+    key: jax.Array | None
+    aux: bool
+    index: jax.Array  # s: this stage's place on the stage axis
+
+    def varying(self, v: jax.Array) -> jax.Array:
+        return jax.lax.pcast(v, self.sched.axis, to="varying")
+
+    def group(self, r) -> dict[str, jax.Array]:
+        return {name: jax.lax.dynamic_index_in_dim(v, r, keepdims=False) for name, v in self.weights.items()}
+
+    def entering(self, state: jax.Array, loop: jax.Array, t) -> tuple[jax.Array, jax.Array]:
+        """(What stage 0 takes in at tick `t`, the circular schedule's microbatches between passes)."""
+        S, M = self.sched.stages, self.sched.microbatches
+        if self.sched.repeats == 1:
+            return self.varying(jax.lax.dynamic_index_in_dim(self.micro, jnp.clip(t, 0, M - 1), keepdims=False)), loop
+        # What stage 0 received now is stage S−1's output of tick t − 1: microbatch (t − S) mod M
+        # after a group short of its last, kept until it re-enters.
+        back = jnp.maximum(t - S, 0) % M
+        kept = jnp.where(t >= S, state, jax.lax.dynamic_index_in_dim(loop, back, keepdims=False))
+        loop = jax.lax.dynamic_update_index_in_dim(loop, kept, back, 0)
+        fresh = jax.lax.dynamic_index_in_dim(self.micro, jnp.minimum(t, M - 1), keepdims=False)
+        again = jax.lax.dynamic_index_in_dim(loop, t % M, keepdims=False)
+        return jnp.where(t < M, self.varying(fresh), again), loop
+
+    def tick(self, carry, t):
+        """One tick of the ``lax.scan``: `carry` is (the input from the previous stage, the
+        collected outputs ``[M, ...]``, the re-entering microbatches, the statistics' sums)."""
+        state, outputs, loop, sums = carry
+        S, M, R, s = self.sched.stages, self.sched.microbatches, self.sched.repeats, self.index
+        first, loop = self.entering(state, loop, t)
+        h = jnp.where(s == 0, first, state)
+        i = t - s  # this stage's work item: microbatch i mod M of group i // M (idle outside 0 .. R·M − 1)
+        m, r = jnp.clip(i, 0, R * M - 1) % M, jnp.clip(i // M, 0, R - 1)
+        k = None if self.key is None else jax.random.fold_in(jax.random.fold_in(self.key, m), r * S + s)
+        if R == 1:  # one group: the stage's whole slice, the same at every tick
+            out = self.run_stage({name: v[0] for name, v in self.weights.items()}, h, k)
+        else:
+            # The group changes from tick to tick: the backward pass keeps each tick's copy of
+            # its weights (T copies of a group's), the circular schedule's price.
+            out = self.run_stage(self.group(r), h, k)
+        if self.aux:
+            out, values = out
+            busy = (i >= 0) & (i < R * M)
+
+            def add(total, v):  # total [R, K, ...] += v [K, ...] at group r, on a working tick
+                at = jax.lax.dynamic_index_in_dim(total, r, keepdims=False)
+                return jax.lax.dynamic_update_index_in_dim(total, at + jnp.where(busy, v, 0), r, 0)
+
+            sums = jax.tree.map(add, sums, values)
+        done = (s == S - 1) & (i >= (R - 1) * M) & (i < R * M)
+        slot = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
+        outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, slot), m, 0)
+        state = jax.lax.ppermute(out, self.sched.axis, [(j, (j + 1) % S) for j in range(S)])
+        return (state, outputs, loop, sums), None
+
+    def canonical(self, total: jax.Array, n_layers: int) -> jax.Array:
+        """This stage's sums ``[R, K, ...]`` placed among every stage's in canonical layer order
+        (group r of stage s is canonical block r·S + s: ``[R, S, K, ...]`` is that order), gathered
+        over the stage axis and divided by the microbatches: ``[layers, ...]``."""
+        S = self.sched.stages
+        every = self.varying(jnp.zeros((self.sched.repeats, S, *total.shape[1:]), total.dtype))
+        every = jax.lax.dynamic_update_index_in_dim(every, total[:, None], self.index, 1)
+        return jax.lax.psum(every.reshape(n_layers, *total.shape[2:]), self.sched.axis) / self.sched.microbatches
 
 
 # ---------------------------------------------------------------------------------------------

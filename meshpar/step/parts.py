@@ -30,7 +30,7 @@ from meshpar import models
 from meshpar.backend import compile_cache
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
-from meshpar.processes import distributed, stop
+from meshpar.processes import joining, stop
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import mesh as mesh_lib
 from meshpar.sharding import offload as offload_lib
@@ -58,7 +58,7 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> jax.s
     host's), else over this host's, as a run builds it — simulated CPU devices where there is
     no accelerator, the other processes joined.
 
-    In a multi-process run, :func:`meshpar.processes.distributed.join` also starts the backend, so that
+    In a multi-process run, :func:`meshpar.processes.joining.join` also starts the backend, so that
     joining and gathering every process's devices fit in ``distributed.initialization_timeout``
     (a process that cannot is ended with one line: jax's own wait would end in a C++ abort).
     """
@@ -75,7 +75,7 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> jax.s
             pass  # backend already started (e.g. in-process tests); build_mesh reports a shortfall
     # else: on accelerators the share does not matter; on CPU build_mesh names the shortfall
     if processes > 1:
-        distributed.join(cfg.distributed, cfg.checkpoint_dir)  # before any other JAX call: it starts the backend
+        joining.join(cfg.distributed, cfg.checkpoint_dir)  # before any other JAX call: it starts the backend
     with config_key("mesh", mesh_lib.MeshError):
         return mesh_lib.build_mesh(cfg.mesh)
 
@@ -83,8 +83,10 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> jax.s
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
     """The config's layout (with ``param_layout`` on top) on `mesh`, once the batch is known to
     divide over it (a -1 batch axis has its size now)."""
-    config_lib.check_batch_size(cfg, dict(mesh.shape))
-    config_lib.check_pipeline(cfg, dict(mesh.shape))
+    shape = dict(mesh.shape)
+    if shape != dict(cfg.mesh):  # a -1 axis has its size now: the config's own checks skipped it
+        config_lib.check_batch_size(cfg, shape)
+        config_lib.check_pipeline(cfg, shape)
     return layout_for(cfg, dict(mesh.shape))
 
 
@@ -126,13 +128,18 @@ def check_param_layout(cfg: Config, mesh: jax.sharding.Mesh, param_dims: frozens
 
 
 def plan_model(
-    cfg: Config, mesh: jax.sharding.Mesh, layout: layout_lib.Layout, element_spec: dict, decay_steps: int
+    cfg: Config,
+    family: models.Family,
+    mesh: jax.sharding.Mesh,
+    layout: layout_lib.Layout,
+    element_spec: dict,
+    decay_steps: int,
 ) -> tuple[optax.GradientTransformation, trainer.StatePlan]:
     """The optimizer and the train state's plan (shapes, shardings), every parameter and
     activation checked against the layout; nothing allocated. Parameters and optimizer state
     are placed by `layout` with ``param_layout`` on top, in pinned host memory where the
     ``offload`` section says so; activations by `layout`."""
-    build_model = functools.partial(models.family(cfg.model.name).build, cfg.model, element_spec)
+    build_model = functools.partial(family.build, cfg.model, element_spec)
     tx = trainer.make_optimizer(cfg.optimizer, decay_steps)
     params_layout = layout.overlay(cfg.param_layout)
     with config_key("model", ValueError):  # the model's own checks (e.g. length beyond max_length)
@@ -154,11 +161,12 @@ def schedule(cfg: Config, layout: layout_lib.Layout) -> pipeline.Schedule | None
     return pipeline.schedule_for(layout, cfg.pipeline.schedule, cfg.pipeline.repeats, cfg.train.microbatches)
 
 
-def unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> list[str]:
+def unused_rules(step: AbstractStep) -> list[str]:
     """One line for ``layout`` and one for ``param_layout`` (only where there is something to
     say) naming their rules that cannot apply: dims the model's tensors (the parameters', for
     ``param_layout``) do not have, mesh axes the mesh does not have. Not an error: Mesh
     TensorFlow's shared rule strings name dims a model may lack, and it ignores them too."""
+    cfg, plan = step.cfg, step.plan
     param_dims = trainer.param_dim_names(plan.abstract.params)
     sets = (
         ("layout", cfg.layout, plan.dims, "this model has no dim"),
@@ -166,33 +174,45 @@ def unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) 
     )
     lines = []
     for key, rules, dims, no_dim in sets:
-        why = layout_lib.unused(rules, mesh.axis_names, dims, no_dim)
+        why = layout_lib.unused(rules, step.mesh.axis_names, dims, no_dim)
         if why:
             lines.append(f"{key}: unused rules ({why})")
     return lines
 
 
-def say_unused_rules(cfg: Config, mesh: jax.sharding.Mesh, plan: trainer.StatePlan) -> None:
+def say_unused_rules(step: AbstractStep) -> None:
     """Print :func:`unused_rules` on stderr (from the first process only), and the bubble a
     GPipe schedule with fewer microbatches than stages costs (:func:`meshpar.sharding.stages.bubble_note`)."""
     if jax.process_index() == 0:
-        note = plan.schedule and pipeline.bubble_note(plan.schedule)
-        for line in [*unused_rules(cfg, mesh, plan), *([note] if note else [])]:
+        note = step.schedule and pipeline.bubble_note(step.schedule)
+        for line in [*unused_rules(step), *([note] if note else [])]:
             print(line, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class AbstractStep:
-    """A config's parts: the mesh, the layout, the state plan, the optimizer, the jitted train
-    step and the abstract arguments it is lowered with."""
+    """A config built once into what every later stage needs: the config itself, its model
+    family and traits, the mesh, the layout on it, the state plan (with the pipeline schedule),
+    the optimizer, the jitted train and eval steps and the abstract arguments the train step is
+    lowered with. Nothing in it is allocated. The run, the pre-flight and the planner all take
+    this object; none of them builds it again."""
 
+    cfg: Config
+    family: models.Family
+    traits: models.Traits
     mesh: jax.sharding.Mesh
     layout: layout_lib.Layout
     plan: trainer.StatePlan
     step: object  # jitted (state, batch, stop) -> (state, metrics)
+    eval_step: object  # jitted (params, batch) -> metrics
     args: tuple  # (state, batch, stop) as ShapeDtypeStructs with shardings
-    element_spec: dict = dataclasses.field(default_factory=dict)  # the train data's, per example
-    tx: optax.GradientTransformation | None = None
+    element_spec: dict  # the train data's, per example
+    tx: optax.GradientTransformation
+
+    @property
+    def schedule(self) -> pipeline.Schedule | None:
+        """The pipeline the layout runs (a stage axis), or None."""
+        return self.plan.schedule
 
     @property
     def batch_shardings(self) -> dict:
@@ -201,10 +221,10 @@ class AbstractStep:
     def lower(self) -> jax.stages.Lowered:
         return self.step.lower(*self.args)
 
-    def with_optimizer(self, cfg: Config, tx: optax.GradientTransformation) -> AbstractStep:
+    def with_optimizer(self, tx: optax.GradientTransformation) -> AbstractStep:
         """The same parts with the train step built for another optimizer (a resumed run's
         schedule horizon)."""
-        step = train_step(cfg, self.mesh, self.layout, self.plan, tx, self.batch_shardings)
+        step = train_step(self.cfg, self.mesh, self.layout, self.plan, tx, self.batch_shardings)
         return dataclasses.replace(self, step=step, tx=tx)
 
 
@@ -212,7 +232,7 @@ def train_step(cfg: Config, mesh, layout, plan: trainer.StatePlan, tx, batch_sha
     """The jitted train step of these parts (:func:`meshpar.step.trainer.make_train_step`)."""
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
-        cfg.offload.activations, activation_names=offload_lib.activation_names(cfg.model.name, cfg.offload.activations),
+        cfg.offload.activations, activation_names=models.family(cfg.model.name).kept_activations(cfg.offload.activations),
         schedule=plan.schedule,
     )  # fmt: skip
 
@@ -227,12 +247,19 @@ def assemble(
 ) -> AbstractStep:
     """The state plan, the optimizer and the jitted train step on a mesh and layout built
     already, with the batch's shardings (a run's, or :func:`meshpar.step.inputs.batch_shardings`)."""
-    tx, plan = plan_model(cfg, mesh, layout, element_spec, decay_steps)
+    family = models.family(cfg.model.name)
+    tx, plan = plan_model(cfg, family, mesh, layout, element_spec, decay_steps)
     step = train_step(cfg, mesh, layout, plan, tx, batch_shardings)
+    evaluate = trainer.make_eval_step(
+        plan.graphdef, layout, mesh, plan.shardings.params, batch_shardings, plan.schedule
+    )
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
     flags = jax.ShapeDtypeStruct((mesh.size,), jax.numpy.int32, sharding=stop.flag_sharding(mesh))
     batch = abstract_batch(cfg, element_spec, batch_shardings)
-    return AbstractStep(mesh, layout, plan, step, (state, batch, flags), dict(element_spec), tx)
+    return AbstractStep(
+        cfg, family, models.traits(cfg.model), mesh, layout, plan, step, evaluate, (state, batch, flags),
+        dict(element_spec), tx,
+    )  # fmt: skip
 
 
 def abstract_step(

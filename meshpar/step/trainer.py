@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshpar import models
 from meshpar.configuration.config import OptimizerConfig
 from meshpar.processes import stop as stop_lib
 from meshpar.sharding import layout as layout_lib
@@ -197,6 +198,31 @@ def init_state(
     return plan.graphdef, plan.materialize(layout, mesh), plan.shardings
 
 
+def _grad_fn(graphdef: nnx.GraphDef):
+    """``grad_fn(params, batch, key) -> ((loss, aux), grads)`` of the model `graphdef` describes,
+    with `key` its dropout key."""
+
+    def grad_fn(params, batch, key):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            return model.loss(batch, rngs=nnx.Rngs(dropout=key))
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    return grad_fn
+
+
+def _update(tx: optax.GradientTransformation, state: TrainState, grads, state_shardings: TrainState):
+    """(grads, params, opt_state) after the optimizer's update. It runs on the devices: offloaded
+    state (and the gradient of offloaded parameters, which jax keeps in their memory) is brought
+    there; the output shardings write it back. Without offload the fetches are no-ops."""
+    grads = offload_lib.fetch(grads, state_shardings.params)
+    params = offload_lib.fetch(state.params, state_shardings.params)
+    opt_state = offload_lib.fetch(state.opt_state, state_shardings.opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return grads, optax.apply_updates(params, updates), opt_state
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -220,32 +246,21 @@ def make_train_step(
     used, and written back through the output shardings. `activations` (``offload.activations``)
     keeps its named values of every layer in `activations_memory` in place of ``model.remat``
     (``device``: the same names saved on the devices, the reference offload is compared with);
-    `activation_names`: those names (:func:`meshpar.sharding.offload.activation_names`; default the
+    `activation_names`: those names (:meth:`meshpar.models.Family.kept_activations`; default the
     built-in families'). `schedule`: the layout's pipeline (:mod:`meshpar.sharding.stages`); its
     microbatches are the pipeline's, and the gradients of the whole batch come from one pass."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
-    keep = offload_lib.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
-    trace = Trace(
-        layout=layout,
-        mesh=mesh,
-        params_on_host=params_on_host,
-        schedule=schedule,
-        keep=(keep, activations_memory) if keep else None,
-    )
+    keep = models.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
+    kept = (keep, activations_memory) if keep else None
+    trace = Trace(layout=layout, mesh=mesh, params_on_host=params_on_host, schedule=schedule, keep=kept)
     # jax cannot move host arrays in a partially manual region ("Unhandled OpSharding type"):
     # with offloaded parameters each microbatch's gradients are reduced as it is accumulated
     local = () if params_on_host or schedule is not None else reduced_once(layout, mesh, state_shardings.params)
 
+    grad_fn = _grad_fn(graphdef)
+
     def step(state: TrainState, batch: dict, stop: jax.Array) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
-
-        def grad_fn(params, batch, key):
-            def loss_fn(params):
-                model = nnx.merge(graphdef, params)
-                return model.loss(batch, rngs=nnx.Rngs(dropout=key))
-
-            return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
         with tracing.using(trace):
             if microbatches == 1 or schedule is not None:
                 (loss, aux), grads = grad_fn(state.params, batch, step_rng)
@@ -256,26 +271,14 @@ def make_train_step(
             else:
                 param_shardings = state_shardings.params
                 (loss, aux), grads = accumulate(grad_fn, state.params, batch, step_rng, microbatches, param_shardings)
-            # The update runs on the devices: offloaded state (and the gradient of offloaded
-            # parameters, which jax keeps in their memory) is brought there; the output
-            # shardings write it back. Without offload these are no-ops.
-            grads = offload_lib.fetch(grads, state_shardings.params)
-            params = offload_lib.fetch(state.params, state_shardings.params)
-            opt_state = offload_lib.fetch(state.opt_state, state_shardings.opt_state)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            grads, params, opt_state = _update(tx, state, grads, state_shardings)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "stop": jnp.max(stop), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng))
         return new, metrics
 
-    replicated = NamedSharding(mesh, PartitionSpec())
-    flags = stop_lib.flag_sharding(mesh)
-    return jax.jit(
-        step,
-        in_shardings=(state_shardings, dict(batch_shardings), flags),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=0,
-    )
+    replicated, flags = NamedSharding(mesh, PartitionSpec()), stop_lib.flag_sharding(mesh)
+    in_shardings = (state_shardings, dict(batch_shardings), flags)
+    return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
 def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State,

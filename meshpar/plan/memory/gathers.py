@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import models
-from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.step import parts
 
@@ -42,16 +40,17 @@ class Gathers:
     layers: int = 0
 
 
-def gathers(cfg: Config, step: parts.AbstractStep, read: set[int], rolled: bool = False,
+def gathers(step: parts.AbstractStep, read: set[int], rolled: bool = False,
              dtypes: dict | None = None) -> Gathers:  # fmt: skip
     """The gathered copies of the parameters stored smaller than compute uses them
     (``param_layout``), from their shardings, and an unrolled layer loop's slices of its stacks;
     `read`: the parameter leaves the backward reads (:func:`meshpar.plan.memory.trace.saved_activations`);
     `rolled`: the layer loop runs as a loop; `dtypes`: parameter leaf -> the dtype the forward
     casts it to (``use`` casts where the parameter is stored, so it is gathered in that dtype)."""
+    cfg = step.cfg
     dtypes = dtypes or {}
     plan, gpu = step.plan, shapes.platform(step) == "gpu"
-    remat = models.traits(cfg.model).remat_on
+    remat = step.traits.remat_on
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     kept = forward = again = relayout = grads = outside = loop = iteration = layers = 0
     kept_by: dict = {}

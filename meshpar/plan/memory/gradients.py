@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar import jaxprs
-from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.plan.memory import residuals
 from meshpar.step import parts, trainer
@@ -58,9 +57,10 @@ def update_copies(tx, shape: tuple, dtype) -> int:
     return len(update & _unary_of_first(optax.tree.norm, leaf))
 
 
-def update_extra(cfg: Config, step: parts.AbstractStep, uses: dict) -> dict:
+def update_extra(step: parts.AbstractStep, uses: dict) -> dict:
     """Parameter leaf -> the bytes its update holds beyond its gradient (:func:`update_copies`),
     at the shape the backward produces the gradient in."""
+    cfg = step.cfg
     tx = step.tx or trainer.make_optimizer(cfg.optimizer, max(cfg.train.steps, 1))  # the schedule does not matter here
     leaves = jax.tree.leaves(shapes.local_params(step.args[0].params, step.layout, step.mesh))
     return {i: update_copies(tx, tuple(a.shape), a.dtype) * residuals.nbytes(a) for i, a in enumerate(leaves)}
@@ -131,7 +131,7 @@ def accumulated(step: parts.AbstractStep, uses: dict, rolled: bool) -> set[int]:
     return out
 
 
-def update_phase(cfg: Config, step: parts.AbstractStep, uses: dict, rolled: bool = False,
+def update_phase(step: parts.AbstractStep, uses: dict, rolled: bool = False,
                   threshold: int = COMBINE_THRESHOLD, dtypes: dict | None = None,
                   local: frozenset = frozenset()) -> tuple[int, int]:  # fmt: skip
     """Bytes the update phase holds beyond the state (see :mod:`meshpar.plan.memory.analytic`): every
@@ -151,6 +151,7 @@ def update_phase(cfg: Config, step: parts.AbstractStep, uses: dict, rolled: bool
     `local`: the batch axes gradient accumulation sums over on each device, reducing the running
     sum once, in place, after the last microbatch (:func:`meshpar.step.trainer.reduced_once`): no
     gradient is summed over them during the step, and no summed copy is held."""
+    cfg = step.cfg
     plan, (_, batch, _) = step.plan, step.args
     batch_axes = set()
     for b in batch.values():
@@ -202,12 +203,13 @@ def _reduced(gpu: bool, computed: int, placed: int, regathered: bool, same: bool
     return computed + (computed if regathered or same else placed)
 
 
-def one_at_a_time(cfg: Config, step: parts.AbstractStep) -> int | None:
+def one_at_a_time(step: parts.AbstractStep) -> int | None:
     """None when something needs every gradient at once: clipping by their global norm, or a sum
     over devices (XLA combines the gradients' all-reduces into one) or a re-placement
     (``param_layout``'s reduce-scatter); else the largest gradient (at its activation-layout
     shard), the most the update holds: it updates each parameter from its own gradient as the
     backward produces it, in the donated state's buffers, and the gradient dies there."""
+    cfg = step.cfg
     plan, (_, batch, _) = step.plan, step.args
     if getattr(cfg.optimizer, "grad_clip_norm", 0.0) > 0:
         return None

@@ -15,7 +15,6 @@ import math
 import jax
 from flax import nnx
 
-from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.plan.memory import backward as backward_phase
 from meshpar.plan.memory import gathers, gradients, residuals, trace, train_state
@@ -23,7 +22,7 @@ from meshpar.plan.time import gemm
 from meshpar.step import parts, trainer
 
 
-def transient(cfg: Config, step: parts.AbstractStep, traced: trace.Traced, remat: str) -> int:
+def transient(step: parts.AbstractStep, traced: trace.Traced, remat: str) -> int:
     """What one backward iteration of the layer loop holds beside the residuals: the slices of
     the stacks a matmul reads (traced, where nothing is recomputed), and under `remat` one
     layer's recomputed residuals, live during its backward."""
@@ -31,18 +30,19 @@ def transient(cfg: Config, step: parts.AbstractStep, traced: trace.Traced, remat
     if traced.slices and remat == "none":  # nothing recomputed: one backward iteration's slices of the stacks, traced
         transient = traced.slices[0]
     if remat != "none":
-        recomputed = backward_phase.loop_iteration(trace.saved_activations(cfg, step, "none", unrolled=True))
+        recomputed = backward_phase.loop_iteration(trace.saved_activations(step, "none", unrolled=True))
         transient += max(recomputed - backward_phase.loop_iteration(traced.kept), 0)
     return transient
 
 
-def update(cfg: Config, step: parts.AbstractStep, state: train_state.State, traced: trace.Traced, extra: dict,
+def update(step: parts.AbstractStep, state: train_state.State, traced: trace.Traced, extra: dict,
            compiler_options: dict | None) -> tuple[int, int, int, int | None]:  # fmt: skip
     """(the update phase's bytes, the gradients', one backward layer-loop iteration's gradients
     reduced into their stacks, :func:`meshpar.plan.memory.gradients.one_at_a_time`'s largest gradient
     or None when the update needs every gradient at once)."""
+    cfg = step.cfg
     place, grads, iteration = state.place, state.grads, 0
-    one_at_a_time = None if place.params else gradients.one_at_a_time(cfg, step)
+    one_at_a_time = None if place.params else gradients.one_at_a_time(step)
     if one_at_a_time is None:
         # on XLA:GPU the update phase holds the running sum in its place (see gradients.update_phase)
         held = 0 if shapes.platform(step) == "gpu" else state.running_sum
@@ -51,7 +51,7 @@ def update(cfg: Config, step: parts.AbstractStep, state: train_state.State, trac
         local = frozenset()
         if cfg.train.microbatches > 1 and not place.params:  # the accumulation sums these axes locally
             local = frozenset(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params))
-        update, iteration = gradients.update_phase(cfg, step, traced.uses, traced.rolled, int(threshold),
+        update, iteration = gradients.update_phase(step, traced.uses, traced.rolled, int(threshold),
                                                    traced.dtypes, local)  # fmt: skip
         update += held + state.fetched
     else:  # each gradient applied as it is produced: one at a time (and the running sum)
@@ -61,13 +61,14 @@ def update(cfg: Config, step: parts.AbstractStep, state: train_state.State, trac
     return update, grads, iteration, one_at_a_time
 
 
-def held_gradients(cfg: Config, step: parts.AbstractStep, state: train_state.State, traced: trace.Traced,
+def held_gradients(step: parts.AbstractStep, state: train_state.State, traced: trace.Traced,
                    grads: int, gathered: gathers.Gathers, extra: dict,
                    together: bool) -> tuple[dict, int, dict | None]:  # fmt: skip
     """How the backward walk holds the gradients: (parameter leaf -> the bytes its update applies
     where the backward produces it, the bytes held from the backward's first step, parameter leaf
     -> the bytes each gradient holds to the update, or None when each is applied as produced).
     `together`: the update needs every gradient at once."""
+    cfg = step.cfg
     plan, uses, rolled = step.plan, traced.uses, traced.rolled
     variables = jax.tree.leaves(plan.abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     accumulated = gradients.accumulated(step, uses, rolled)  # held from the backward's first step
@@ -127,13 +128,12 @@ def backward(step: parts.AbstractStep, traced: trace.Traced, gathered: gathers.G
     return walk + workspace + (0 if loops else during)
 
 
-def accumulation(
-    cfg: Config, step: parts.AbstractStep, traced: trace.Traced, gathered: gathers.Gathers
-) -> tuple[int, int]:
+def accumulation(step: parts.AbstractStep, traced: trace.Traced, gathered: gathers.Gathers) -> tuple[int, int]:
     """(backward, update): the bytes gradient accumulation (``train.microbatches`` > 1) adds to each phase."""
+    cfg = step.cfg
     if cfg.train.microbatches == 1:
         return 0, 0
-    batch = jax.tree.leaves(shapes.device_batch(cfg, step))
+    batch = jax.tree.leaves(shapes.device_batch(step))
     # the batch in microbatch-major order: a transposed copy, the loop's input
     backward, update = cfg.train.microbatches * sum(residuals.nbytes(b) for b in batch), 0
     # the gathers and casts leave the accumulation loop: every copy held through it

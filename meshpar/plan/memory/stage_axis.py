@@ -8,69 +8,7 @@ Notation: S stages, M microbatches (``train.microbatches``), R groups of layers 
 device of a stage holds (the global batch over the batch axes), ``x`` the bytes of the layer
 stack's input for those B rows ([batch, length, embed] in the compute dtype).
 
-**Memory** of XLA:GPU's program (per device; :func:`meshpar.plan.memory.analytic.analytic` with a
-schedule puts these together; XLA:CPU's program, as this host compiles it, keeps the earlier
-accounting, :func:`cpu_activations` and :func:`cpu_buffers`, checked against XLA:CPU).
-Each stage holds the stack's parameters, gradients and optimizer state of its L/S layers: the
-``layers`` dim of every stacked parameter is split over the stage axis, so the exact,
-layout-driven categories divide by S already (nothing here). The forward is one ``lax.scan``
-over T ticks that runs as a loop: every residual its body (one group of L/(S·R) layers on one
-microbatch of B/M rows) hands to the backward leaves it stacked over the ticks, beyond fusion's
-reach — the tick loop's residual stacks (:func:`tick_residuals`)
-
-    ticks = T / R × (every residual of its L/S layers for one microbatch, as a rolled loop keeps them)
-
-— (R·M + S − 1) / (R·M) × the activations of L/S layers for all B rows (the bubble's ticks keep
-residuals too: idle stages compute on zeros). Under ``model.remat: full`` that is each layer's
-input; dropout's masks inside the stack are not among them: the tick's body keeps the key each
-layer folds (a few bytes per layer and tick) and the backward draws the bits again. The layers
-outside the pipeline (embedding, final norm, head, loss) run on every stage for the whole batch:
-their residuals are traced for the B rows (no microbatches), the embedding's dropout mask
-among them (one byte per element, a comparison's result). There is no gradient
-accumulation: with a stage axis ``train.microbatches`` are the pipeline's, and no float32
-running sum is held. The step holds, at its peak, the largest of three phases:
-
-* the backward outside the stack — walked as any step's backward
-  (:func:`meshpar.plan.memory.backward.walk`), the tick loop's residual stacks one residual at the
-  loop's place, so every place after it (the head) holds them; the head's logits come back
-  with a float32 cotangent where the forward casts them for the loss (:func:`widened_matmuls`),
-  written out beside the logits (the whole batch's: the largest buffer where the vocabulary is
-  wide); plus the cotangent of the stack's input the backward tick loop accumulates
-  (x, zeroed before the head's backward: :func:`buffers`);
-* the backward tick loop — the residuals made before the stack, the stacks, the gradients the
-  head's backward has produced, the stack's gradient accumulators (the loop's carry: every
-  stacked parameter's gradient at its stored shard in the parameter dtype, :func:`stack_gradients`),
-  one tick's gradient stacks (its group's backward layer loop writes each layer's gradient
-  into a stack of its own, added into the accumulators after the tick), the tick's slice of the
-  residual stacks (:func:`tick_slice`), under ``model.remat`` one layer's residuals recomputed
-  for one microbatch, and the cotangents of the collected outputs and of the stack's input
-  (2x: :func:`buffers`); the circular schedule's loop buffer adds x to both;
-* the update (:func:`meshpar.plan.memory.gradients.update_phase`, as for any step).
-
-XLA's memory scheduler tries several orders and keeps one with a small simulated peak; two
-differ here by a stage's gradient accumulators' size. In one, the zeroed buffers (the
-accumulators and the embedding table's gradient) are made at the step's start, so the head's
-backward holds them, and the head's weight gradients run where the backward reaches them; in
-the other they are made just before the tick loop and the head's weight gradients run after
-it, their cotangent (the logits') held through it. The model takes the order with the smaller
-peak. XLA does not always keep that one (on the published A100 rows examined it kept the first
-for every two-stage program and the second for every four-stage one): where it keeps the
-other, its figure is higher than the model's, by up to 5% of the step on those rows.
-
-**Time** (:func:`compute_factor`, :func:`traffic`). A device runs one group per tick
-for T ticks: its busy time is the layer compute of L/S layers for B rows stretched by the
-bubble, ``T / (R·M)``, i.e.
-
-    layer compute per device = (layer FLOPs of the batch) / (S × split ways) × T / (R·M),
-
-while the work outside the stack (embedding, head) is computed on every stage for the whole
-batch (replicated over the stage axis). Each tick every stage sends its output, x / M bytes, to
-the next stage with a ``collective-permute`` over the stage axis, forward and (its transpose)
-backward: 2·T permutes per step, each ``x / M / bandwidth + latency`` on the link the stage
-axis's neighbours use (:func:`meshpar.plan.cost.collective_seconds`); the outputs are summed
-over the stage axis once (an all-reduce of x; its transpose in the backward is free). The
-HLO-based model (:mod:`meshpar.plan.time.timing`) needs nothing of this: the compiled program's
-tick loop, its trip count and its permutes carry it; these are the search's analytic terms.
+The spec: docs/planning.md ("Stage axes", "The formulas").
 """
 
 from __future__ import annotations
@@ -110,7 +48,7 @@ def carry_bytes(kept) -> int:
 
 
 def tick_residuals(kept, sched: pipeline.Schedule, weights: int = 0) -> int:
-    """The residual stacks of the tick loop (see the module docstring): `kept`, the residuals of
+    """The residual stacks of the tick loop (see docs/planning.md, "The formulas"): `kept`, the residuals of
     one microbatch traced with the layer loop rolled at one device's shapes (the stage's L/S
     layers), those of the layer loop T/R times.
 
@@ -212,7 +150,7 @@ def buffers(kept, sched: pipeline.Schedule, in_loop: bool) -> int:
 
 
 def cpu_activations(kept, sched: pipeline.Schedule, weights: int = 0) -> int:
-    """A stage's saved activations (see the module docstring): `kept`, the residuals of one
+    """A stage's saved activations (see docs/planning.md, "The formulas"): `kept`, the residuals of one
     microbatch traced with the layer loop rolled at one device's shapes (the stage's L/S layers).
 
     The rolled layer loop hands each layer's weights to its backward as a per-layer slice, so
@@ -227,7 +165,7 @@ def cpu_activations(kept, sched: pipeline.Schedule, weights: int = 0) -> int:
 
 
 def cpu_buffers(kept, sched: pipeline.Schedule, recomputed: int = 0) -> int:
-    """The pipeline's buffers beside the residuals (see the module docstring): the collected
+    """The pipeline's buffers beside the residuals (see docs/planning.md, "The formulas"): the collected
     outputs and the input's cotangent, the loop buffer under repeats, and `recomputed`, one
     layer's residuals of one microbatch recomputed under remat (times the group's layers)."""
     x = carry_bytes(kept) * sched.microbatches
@@ -263,7 +201,7 @@ class Traffic:
 
 def traffic(sched: pipeline.Schedule, rows: int, length: int, embed: int, itemsize: int) -> Traffic:
     """The collectives of `sched` for `rows` batch rows per device of a stage, each
-    ``[rows, length, embed]`` in `itemsize`-byte elements (see the module docstring)."""
+    ``[rows, length, embed]`` in `itemsize`-byte elements (see docs/planning.md, "The formulas")."""
     x = rows * length * embed * itemsize
     return Traffic(x / sched.microbatches, 2 * sched.ticks, x)
 

@@ -15,22 +15,20 @@ import jax
 from flax import nnx
 
 from meshpar import models
-from meshpar.configuration.config import Config
 from meshpar.plan import shapes
 from meshpar.plan.memory import residuals
 from meshpar.step import parts, trainer
 
 
-def local_loss(
-    cfg: Config, step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False, rolled: bool = False
-):
+def local_loss(step: parts.AbstractStep, remat: str | None = None, unrolled: bool = False, rolled: bool = False):
     """The model's loss as a function of the parameters and the batch, and the parameters at one
     device's shapes (see :func:`saved_activations` for `remat` and `unrolled`)."""
+    cfg = step.cfg
     state, batch, _ = step.args
     params = shapes.local_params(state.params, step.layout, step.mesh)
     graphdef = step.plan.graphdef
     offloads = getattr(getattr(cfg, "offload", None), "activations", "none") != "none"  # the step's own policy differs
-    model, own = cfg.model, models.traits(cfg.model)  # the loop's form set where the family names a field for it
+    model, own = cfg.model, step.traits  # the loop's form set where the family names a field for it
     if unrolled and own.stack_layers is not None:
         model = models.with_settings(model, scan_unroll=own.stack_layers)
     if rolled:
@@ -38,7 +36,7 @@ def local_loss(
     if remat is not None and (remat != (own.remat or remat) or offloads) or model is not cfg.model:
         spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
         model = models.with_settings(model, remat=remat) if remat is not None else model
-        build = functools.partial(models.family(cfg.model.name).build, model, spec)
+        build = functools.partial(step.family.build, model, spec)
         graphdef, _ = trainer.abstract_model(build)
 
     def loss(params, batch):
@@ -50,7 +48,6 @@ def local_loss(
 
 
 def saved_activations(
-    cfg: Config,
     step: parts.AbstractStep,
     remat: str | None = None,
     read: set[int] | None = None,
@@ -76,8 +73,8 @@ def saved_activations(
     the forward casts each parameter leaf to, where it does (:func:`meshpar.plan.memory.residuals.kept_residuals`).
     `rolled`: trace the layer loop as a loop (every residual its body hands out kept, one layer's
     loop too), as a pipeline stage's layers run inside the tick loop (:mod:`meshpar.plan.memory.stage_axis`)."""
-    loss, params = local_loss(cfg, step, remat, unrolled, rolled)
-    local = shapes.device_batch(cfg, step)
+    loss, params = local_loss(step, remat, unrolled, rolled)
+    local = shapes.device_batch(step)
     with shapes.on_target(step, local=True):  # the layer loop's form and the attention kernel the target's
         cheap = residuals.GPU_CHEAP if shapes.platform(step) == "gpu" else frozenset()
         kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
@@ -105,10 +102,10 @@ class Traced:
         return any(r.rolled for r in self.kept)
 
 
-def traced(cfg: Config, step: parts.AbstractStep, remat: str | None, slices: bool) -> Traced:
+def traced(step: parts.AbstractStep, remat: str | None, slices: bool) -> Traced:
     """The residuals of `step` under `remat` (None: the config's own), with the trace's other
     figures; `slices`: the backward iteration's slices of a rolled loop's stacks too."""
     out = Traced([])
-    out.kept = saved_activations(cfg, step, remat, read=out.read, uses=out.uses, slices=out.slices if slices else None,
+    out.kept = saved_activations(step, remat, read=out.read, uses=out.uses, slices=out.slices if slices else None,
                                  casts=out.casts, matmuls_at=out.matmuls_at, dtypes=out.dtypes)  # fmt: skip
     return out

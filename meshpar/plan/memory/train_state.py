@@ -12,7 +12,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshpar.configuration.config import Config
 from meshpar.plan import cost, programs
 from meshpar.plan.out_of_core import offload_plan
 from meshpar.step import aot, parts
@@ -20,8 +19,9 @@ from meshpar.step import aot, parts
 EXACT = frozenset({"params", "optimizer", "inputs", "queued_inputs", "relay_inputs"})
 
 
-def categories(cfg: Config, step: parts.AbstractStep, **working) -> dict[str, int]:
+def categories(step: parts.AbstractStep, **working) -> dict[str, int]:
     """The categories in order: `working` (params, grads, optimizer, activations, workspace) and the batches."""
+    cfg = step.cfg
     one_batch = aot.shard_bytes(step.args[1])
     out = {**working, "inputs": one_batch, "queued_inputs": one_batch * cost.resident_batches(cfg)}
     if cfg.feed.mode == "routed":
@@ -44,9 +44,10 @@ class State:
     weights: offload_plan.Weights | None  # parameter offload's per-layer weights (else None)
 
 
-def state_bytes(cfg: Config, step: parts.AbstractStep) -> State:
+def state_bytes(step: parts.AbstractStep) -> State:
     """The parameters, gradients and optimizer state of `step`'s plan, on the device and (host
     offload) in host memory: exact from the shardings, but parameter offload's device share."""
+    cfg = step.cfg
     plan = step.plan
     params = aot.shard_bytes(plan.abstract.params, plan.shardings.params)
     running_sum = running_sum_bytes(plan) if cfg.train.microbatches > 1 else 0

@@ -1,52 +1,12 @@
 """What host offload costs, next to the other ways of freeing device memory: a per-layer model
 after the 2019 out-of-core training study's.
 
-**The model.** Per device, per microbatch, each layer of the layer loop costs, forward and
-backward, its compute and its transfers:
-
-* compute — the layer's matmul FLOPs (:func:`meshpar.plan.out_of_core.offload_plan.profile`, traced at one
-  device's shapes) at the topology's peak for the compute dtype × its step efficiency: F
-  forward, 2F backward, plus what the backward recomputes (``remat: full`` and activation
-  offload of ``layer_outputs``: F again; ``remat: dots`` and offload of ``dots``: attention's
-  batched contractions, whose scores no policy keeps). A layer cannot run faster than it reads
-  its weights from device memory: once forward, twice backward (gradient of the input, of the
-  weight), so compute is the larger of the FLOP time and those bytes at the memory bandwidth.
-* host transfers — bytes moved / the host-link bandwidth of one device: the topology's
-  ``host_link``, and where devices share an uplink (``host_groups``), the uplink divided among
-  the mesh's devices under it (they all transfer at once), plus the link's latency per
-  transfer. PCIe is full duplex: host→device and device→host bytes move at the same time, each
-  at that bandwidth. Forward: parameter offload brings the layer's weights in, activation
-  offload sends its named values out; backward: both come in again, and the weights' gradients
-  go out (the gradient of a host array is a host array, :mod:`meshpar.sharding.offload`).
-* device transfers (``param_layout`` FSDP) — the layer's weights all-gathered to their compute
-  layout forward (and again backward under remat, which does not keep them), their gradients
-  reduce-scattered backward: bytes × (n−1)/n / the device link's bandwidth, plus its latency
-  per ring step.
-
-With overlap (the default: XLA issues a layer's copies ahead of it, behind the previous
-layer's compute) each pass over the L layers is a pipeline: the first layer's transfers, which
-nothing hides, then L − 1 steps of max(compute, host transfers, device transfers), then the
-last layer's compute; without overlap, every layer costs the sum. The weights
-outside the layers (embedding, output) cost their FLOPs, and under parameter offload a fetch
-forward and backward that nothing hides.
-
-**Optimizer (and parameter) state for the update**, once per step, never overlapped: the
-state (under parameter offload also the gradients) comes in after the backward pass (brought
-any earlier it would sit on the device through the backward pass's peak, and the memory plan
-counts only the largest parameter's state there) and goes back after its update, leaf by
-leaf; in and out share the duplex link, so the step pays ``max(bytes in, bytes out) /
-bandwidth``.
-
-**Unified memory** (``offload.unified_memory``): the option's memory plan on a device that
-pages what does not fit its own memory (:mod:`meshpar.plan.out_of_core.unified`): its device bytes are at
-most the device's, the rest is "migrated", and its page faults' stall adds to the step.
-
-**What is left out**, equal for every option unless said: the config's own collectives (from
-the compiled HLO, :mod:`meshpar.plan.time.timing`; remat's recomputed forward repeats a tensor-
-parallel layout's collectives, not counted), the optimizer update's own compute, elementwise
-ops' memory traffic (so ``remat: dots`` looks cheaper than it is), the feed. The model ranks
-ways of freeing memory; the step time itself comes from :mod:`meshpar.plan.time.timing`. Figures on
-a GPU: ``scripts/bench_offload.py`` and ``scripts/device_check.sh``.
+Per device and microbatch, each layer costs its compute and its transfers (over the host link,
+and under FSDP the device links), overlapped layer by layer or summed; the optimizer state's
+round trip for the update is paid once per step; unified memory's page faults come from
+:mod:`meshpar.plan.out_of_core.unified`. The model ranks ways of freeing memory; the step time
+itself comes from :mod:`meshpar.plan.time.timing`. The spec: docs/out-of-core-model.md; figures
+on a GPU: ``scripts/bench_offload.py`` and ``scripts/device_check.sh``.
 """
 
 from __future__ import annotations
@@ -61,7 +21,6 @@ from meshpar.plan.memory import analytic as memory
 from meshpar.plan.out_of_core import offload_plan, unified
 from meshpar.plan.search import candidates as candidates_lib
 from meshpar.plan.time import timing
-from meshpar.sharding import offload
 from meshpar.step import parts, throughput
 
 
@@ -152,7 +111,7 @@ def paging(blocks: unified.Blocks, need: int, capacity: cost_lib.Capacity, topo,
 
 
 def _recompute(cfg: Config, prof: offload_plan.Profile) -> float:
-    """FLOPs the backward pass of one layer runs again (see the module docstring)."""
+    """FLOPs the backward pass of one layer runs again (see docs/out-of-core-model.md)."""
     policy = getattr(cfg.offload, "activations", "none")
     if policy == "none":
         policy = {"none": "none", "full": "layer_outputs", "dots": "dots"}[models.traits(cfg.model).remat or "none"]
@@ -190,18 +149,19 @@ class Skipped:
         return f"{self.label}: {self.reason}"
 
 
-def prepare(cfg: Config, step: parts.AbstractStep, option: Option) -> Prepared:
+def prepare(step: parts.AbstractStep, option: Option) -> Prepared:
     """`option` on `cfg` (already with its overrides), planned as `step`: its memory plan, the
     layer profile, the weights and where the state lives. Raises what planning it raises."""
+    cfg = step.cfg
     return Prepared(
-        option, cfg, step, memory.analytic(cfg, step), offload_plan.profile(cfg, step),
+        option, cfg, step, memory.analytic(step), offload_plan.profile(step),
         offload_plan.weights(step.plan, step.layout, step.mesh), offload_plan.placement(cfg, step.plan),
     )  # fmt: skip
 
 
-def cost(cfg: Config, step: parts.AbstractStep, topo, option: Option, overlap: bool = True) -> Cost:
+def cost(step: parts.AbstractStep, topo, option: Option, overlap: bool = True) -> Cost:
     """Predicted memory and step time of `cfg` (already with `option`'s overrides) on `topo`."""
-    return price(prepare(cfg, step, option), topo, overlap)
+    return price(prepare(step, option), topo, overlap)
 
 
 def _host_seconds(topo, devices: int, bytes_in: float, bytes_out: float) -> float:
@@ -221,7 +181,7 @@ def _rates(cfg: Config, topo) -> tuple[float, float]:
 
 def _layer_bytes(p: Prepared) -> tuple[int, int]:
     """(the residuals of one layer sent to host memory, its weights fetched from there) under `p`'s placement."""
-    offloaded = p.prof.named_bytes(offload.activation_names(p.cfg.model.name, p.place.activations))
+    offloaded = p.prof.named_bytes(models.family(p.cfg.model.name).kept_activations(p.place.activations))
     return offloaded, p.weights.layer if p.place.params else 0
 
 
@@ -267,7 +227,7 @@ def _update_seconds(p: Prepared, topo) -> float:
 
 
 def price(prepared: Prepared, topo, overlap: bool = True) -> Cost:
-    """Predicted memory and step time of a prepared option on `topo` (see the module docstring)."""
+    """Predicted memory and step time of a prepared option on `topo` (see docs/out-of-core-model.md)."""
     p = prepared
     plan, w, k = p.plan, p.weights, p.cfg.train.microbatches
     layers = max(p.prof.layers, 1)
@@ -345,7 +305,7 @@ def unified_overrides(cfg: Config) -> tuple[str, ...]:
     return ("offload.unified_memory=true", f"offload.oversubscription={cfg.offload.oversubscription:g}")
 
 
-def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None = None) -> list[Option]:
+def options(step: parts.AbstractStep, skipped: list[Skipped] | None = None) -> list[Option]:
     """Each offload setting (:data:`SETTINGS`; the first, no offload, is the base the others
     are compared with), each without unified memory; unified memory alone and with the state
     swapped (the config's own offload setting instead, when it has unified memory and one);
@@ -354,9 +314,18 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
     them: :func:`meshpar.plan.search.candidates.fsdp_param_layout`) — each on the config without
     offload. The config's own setting is marked "(as configured)". FSDP that no dim of the
     model can take is recorded in `skipped`, with why."""
-    off = cfg.offload
-    own = (off.optimizer, off.params, off.activations)
-    unified_on = off.unified_memory
+    cfg = step.cfg
+    return [*_swap_options(cfg), *_unified_options(cfg), *_other_ways(step, skipped)]
+
+
+def _own(cfg: Config) -> tuple[bool, bool, str]:
+    """The config's own offload setting: (optimizer, params, activations)."""
+    return cfg.offload.optimizer, cfg.offload.params, cfg.offload.activations
+
+
+def _swap_options(cfg: Config) -> list[Option]:
+    """Each offload setting of :data:`SETTINGS`, without unified memory."""
+    own, unified_on = _own(cfg), cfg.offload.unified_memory
     out = []
     for label, optimizer, params, activations in SETTINGS:
         overrides = (f"offload.optimizer={str(optimizer).lower()}", f"offload.params={str(params).lower()}",
@@ -370,13 +339,19 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
                 label + mark, overrides, frees, "none" if not (optimizer or params or activations != "none") else "swap"
             )
         )
-    # Unified memory alone, and with the config's own offload setting when it has both.
+    return out
+
+
+def _unified_options(cfg: Config) -> list[Option]:
+    """Unified memory alone, and with the config's own offload setting when it has both (else
+    with the state swapped)."""
+    own, unified_on = _own(cfg), cfg.offload.unified_memory
     um = unified_overrides(cfg)
     label = f"unified memory {cfg.offload.oversubscription:g}x"
     alone = not any(own[:2]) and own[2] == "none"
-    out.append(
+    out = [
         Option(label + (" (as configured)" if unified_on and alone else ""), (*NO_OFFLOAD[:3], *um), "both", "unified")
-    )
+    ]
     # Composed with swapping the state (the configuration's own swap setting when it has one):
     # the state leaves the device, unified memory pages what still does not fit.
     state = (True, True, "none")
@@ -388,11 +363,19 @@ def options(cfg: Config, step: parts.AbstractStep, skipped: list[Skipped] | None
         out.append(Option(f"{label} + {own_label}{mark}", (
             f"offload.optimizer={str(flags[0]).lower()}", f"offload.params={str(flags[1]).lower()}",
             f"offload.activations={flags[2]}", *um), "both", "unified"))  # fmt: skip
-    model = models.traits(cfg.model)  # a remat change in the field the family names for it (model.remat)
+    return out
+
+
+def _other_ways(step: parts.AbstractStep, skipped: list[Skipped] | None) -> list[Option]:
+    """The other ways of freeing memory, each on the config without offload: ``model.remat``,
+    microbatches ×2 and ×4, FSDP ``param_layout`` (recorded in `skipped` where no dim takes it)."""
+
+    cfg = step.cfg
+    model = step.traits  # a remat change in the field the family names for it (model.remat)
     changes = [
         f"{model.key('remat')}={r}" for r in ("full", "dots") if model.remat not in (None, r) and "remat" in model.keys
     ]
-    out += [Option(change, (*NO_OFFLOAD, change), "activations", "remat") for change in changes]
+    out = [Option(change, (*NO_OFFLOAD, change), "activations", "remat") for change in changes]
     k = cfg.train.microbatches
     out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations",
                    "microbatches") for f in (2, 4)]  # fmt: skip
@@ -414,21 +397,19 @@ def applied(cfg: Config, overrides) -> Config:
     return config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(cfg), list(overrides)))
 
 
-def prepare_all(
-    cfg: Config, step: parts.AbstractStep | None = None, skipped: list[Skipped] | None = None
-) -> list[Prepared]:
-    """Every option of :func:`options`, applied to `cfg` (planned as `step`) and planned, nothing
+def prepare_all(step: parts.AbstractStep, skipped: list[Skipped] | None = None) -> list[Prepared]:
+    """Every option of :func:`options`, applied to the built `step`'s config and planned, nothing
     compiled. An option the config cannot take — its config or its plan is refused (a
     ConfigError, LayoutError, MeshError or DataError: microbatches that do not divide each
     device's rows, a ``param_layout`` that puts two dims of a parameter on one axis) — is left
     out and recorded in `skipped` with why."""
-    step = step or parts.abstract_step(cfg)
+    cfg = step.cfg
     out = []
-    for option in options(cfg, step, skipped):
+    for option in options(step, skipped):
         try:
             new = applied(cfg, option.overrides)
             config_lib.check_batch_size(new, dict(step.mesh.shape))
-            out.append(prepare(new, parts.abstract_step(new, step.mesh, step.element_spec), option))
+            out.append(prepare(parts.abstract_step(new, step.mesh, step.element_spec), option))
         except candidates_lib.ILLEGAL as e:
             if skipped is not None:
                 skipped.append(Skipped(option.label, option.overrides, str(e)))
@@ -461,13 +442,14 @@ def compare(
     config cannot take is left out, and recorded in `skipped` (:func:`prepare_all`).
     `reference_s`: the config's predicted step (:func:`reference`), the base of ``predicted_s``.
     The first is the config without offload, the base every other is compared with."""
-    return priced(prepare_all(cfg, step, skipped), topo, overlap, reference_s)
+    return priced(prepare_all(step, skipped), topo, overlap, reference_s)
 
 
-def reference(cfg: Config, step: parts.AbstractStep, topo) -> float:
+def reference(step: parts.AbstractStep, topo) -> float:
     """The config's step time on `topo` from its compiled HLO, batch placement included
     (:func:`meshpar.plan.time.timing.predict`; compiled here, nothing allocated)."""
-    return timing.predict(cfg, step, step.lower().compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
+    cfg = step.cfg
+    return timing.predict(step, step.lower().compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
 
 
 def sweep(
@@ -488,9 +470,7 @@ def sweep(
         sized = applied(cfg, [f"train.batch_size={b}"])
         step = parts.abstract_step(sized, mesh)
         left: list[Skipped] = []
-        out.append(
-            (b, compare(sized, topo, step, overlap, reference(sized, step, topo) if with_reference else 0.0, left))
-        )
+        out.append((b, compare(sized, topo, step, overlap, reference(step, topo) if with_reference else 0.0, left)))
         if skipped is not None:
             skipped += [s for s in left if str(s) not in map(str, skipped)]
     return out

@@ -34,8 +34,8 @@ from meshpar.step import aot, parts, trainer
 
 # offload.activations → the checkpoint_name tags whose values are saved in host memory (every
 # other value of the layer is recomputed in the backward pass), for the built-in families; any
-# family's: meshpar.sharding.offload.activation_names.
-OFFLOADED_NAMES = offload.ACTIVATION_NAMES
+# family's: meshpar.models.Family.kept_activations.
+OFFLOADED_NAMES = models.ACTIVATION_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,15 +96,16 @@ class Profile:
         return sum(self.named.get(n, 0) for n in names)
 
 
-def profile(cfg: Config, step: parts.AbstractStep) -> Profile:
+def profile(step: parts.AbstractStep) -> Profile:
     """The model's forward pass at one device's shapes of one microbatch (see the module docstring)."""
+    cfg = step.cfg
     state, batch, _ = step.args
     params = shapes.local_params(state.params, step.layout, step.mesh)
-    local = shapes.device_batch(cfg, step)
+    local = shapes.device_batch(step)
     spec = {k: (tuple(b.shape[1:]), b.dtype) for k, b in batch.items()}
     # Every layer one checkpointed call (a model without a remat setting is traced as it is).
     model = models.with_settings(cfg.model, remat="full")
-    graphdef, _ = trainer.abstract_model(functools.partial(models.family(cfg.model.name).build, model, spec))
+    graphdef, _ = trainer.abstract_model(functools.partial(step.family.build, model, spec))
 
     def forward(params, batch):
         return nnx.merge(graphdef, params).loss(batch, rngs=nnx.Rngs(dropout=jax.random.key(0)))[0]

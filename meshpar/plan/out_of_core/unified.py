@@ -2,39 +2,10 @@
 model after the 2019 out-of-core training study's, beside explicit swapping
 (:mod:`meshpar.plan.out_of_core.offload_cost`).
 
-**The mechanism** (``offload.unified_memory``, :mod:`meshpar.backend.unified_memory`). XLA's allocator
-hands out managed memory, up to ``oversubscription`` × the device's. The CUDA driver keeps a
-page in device memory while there is room; when a kernel touches a page that lives in host
-memory it faults, and the driver migrates the page in (2 MiB pages on the GPUs here) after
-evicting the least recently used page to host memory if the device is full. Nothing is moved
-ahead of use: the kernel that faults waits.
-
-**The model.** One device's data in blocks, as the memory plan (:mod:`meshpar.plan.memory.analytic`)
-counts them — each layer's weights and gradient (the stacked parameters' per-layer slices,
-:func:`meshpar.plan.out_of_core.offload_plan.weights`), the other weights and gradients, the optimizer
-state, the residuals made before the layer loop, by each layer, and after it — and the step's
-accesses to them in program order: per microbatch, the forward pass touches each layer's
-weights and makes its residuals, the backward pass reads them in reverse (each layer's
-residuals die after its backward) and makes or adds to its gradient; the update touches the
-weights, gradients and optimizer state. The workspace and the batch are touched by every
-kernel, so they stay resident: the device's room for the blocks is its memory less those.
-Replaying the accesses through a least-recently-used device of that room (bytes, not pages,
-rounded up to pages per fault) gives, per layer pass and for the update, the bytes faulted in
-and the bytes evicted; the second step's figures are the steady state (the first starts with
-everything on the device).
-
-**Time.** The driver services a fault by evicting and migrating in turn, so a layer pass stalls
-for ``(bytes in + bytes out) / host bandwidth + pages faulted × fault cost`` (the topology's
-``unified_memory.fault_us`` per 2 MiB page, :class:`meshpar.plan.topology.Topology`), the host
-bandwidth being the device's share of its link (:func:`meshpar.plan.out_of_core.offload_cost.host_bandwidth`).
-The stall adds to the compute: unlike swapping's copies, issued ahead of the layer that needs
-them and hidden behind the one before, a fault is not overlapped with anything. Where the
-step fits the device nothing migrates and UM costs nothing. Bytes that die on the device
-(residuals after their backward, gradients after the update) are never written back.
-
-What the model leaves out: the driver's prefetching of neighbouring pages and thrashing within
-one kernel (a single layer whose own working set exceeds the room is priced as if its blocks
-migrated once), and access-counter migration on NVLink-C2C machines.
+One device's data in blocks, as the memory plan counts them, and the step's accesses to them in
+program order, replayed through a least-recently-used device of the room left: the bytes faulted
+in and evicted per layer pass and for the update. Their stall adds to the step, overlapped with
+nothing. The spec: docs/out-of-core-model.md ("Unified memory").
 """
 
 from __future__ import annotations
@@ -48,7 +19,7 @@ MIB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """One device's data in the model's blocks, bytes (see the module docstring)."""
+    """One device's data in the model's blocks, bytes (see docs/out-of-core-model.md)."""
 
     layers: int  # L
     layer_weights: int  # one layer's
@@ -110,7 +81,7 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True)
 class Migration:
-    """One step's migration under UM (see the module docstring)."""
+    """One step's migration under UM (see docs/out-of-core-model.md)."""
 
     need: int  # bytes the step's data takes (the plan's total)
     room: int  # device bytes the blocks may occupy (the device less what stays resident)
@@ -211,7 +182,7 @@ class _Device:
 
 
 def _step(device: _Device, b: Blocks, phases: list[Phase]) -> None:
-    """One training step's accesses (see the module docstring), each pass recorded in `phases`."""
+    """One training step's accesses (see docs/out-of-core-model.md), each pass recorded in `phases`."""
 
     def done(name: str) -> None:
         phases.append(Phase(name, *device.take()))
@@ -252,7 +223,7 @@ def _step(device: _Device, b: Blocks, phases: list[Phase]) -> None:
 
 def migration(b: Blocks, device_bytes: int, page_bytes: int = 2 * MIB, need: int | None = None) -> Migration:
     """The steady-state migration of a step of blocks `b` on a device whose plan may use
-    `device_bytes` (see the module docstring). `need`: the plan's total, when it differs from
+    `device_bytes` (see docs/out-of-core-model.md). `need`: the plan's total, when it differs from
     the blocks' (a negative workspace, which the blocks count as none)."""
     room = max(device_bytes - b.pinned, 0)
     device = _Device(room, page_bytes)

@@ -2,46 +2,11 @@
 
 A config that does not fit is offered the first change from this list that fits, by the
 analytic memory model (:mod:`meshpar.plan.memory.analytic`, the same check the config failed):
-
-* ``train.microbatches`` — 2, 4 or 8 times the configured number (each device's rows must
-  divide): the saved activations of one microbatch instead of the whole batch;
-* ``model.remat=full`` — each layer keeps only its input and is recomputed backwards;
-* ``offload.optimizer=true`` — the optimizer state lives in pinned host memory between steps
-  and comes to the devices for the update (:mod:`meshpar.sharding.offload`);
-* ``param_layout`` FSDP — parameters and optimizer state also split over the batch axes of the
-  mesh, along the dims the model family names for it (:attr:`meshpar.models.Family.fsdp_dims`,
-  in its order: the Transformer's ``embed``; the MLP's dims by the bytes they cover), each
-  taken unless a rule names it already, it does not divide, it shares a parameter with a dim
-  taken before, or a parameter of it has a dim on those axes already (the config's own
-  ``param_layout`` or layout): :func:`fsdp_param_layout`. Never the stacked ``layers``;
-* more model-axis splitting — the same devices, with a factor of 2, 4 or 8 moved from the
-  (last) batch axis of the mesh to its ``model`` axis (added when the mesh has none), and
-  layout rules for the model's split dims: the config's own when they name the model axis, else
-  the family's (:attr:`meshpar.models.Family.split_dims`);
-* a stage split — only when nothing above fits: a factor of 2, 4 or 8 that divides the model's
-  layers moved from the (last) batch axis to a new ``stage`` axis, first in the mesh, with
-  ``layers:stage`` (a pipeline, :mod:`meshpar.sharding.stages`; the config's ``train.microbatches``
-  and ``pipeline`` settings are its schedule's): each stage holds the parameters, gradients and
-  optimizer state of 1/S of the layer stack (:mod:`meshpar.plan.memory.stage_axis` for its activations).
-
-Every combination of these is a candidate (a stage split with microbatches, remat, offload;
-not with the other mesh changes). They are tried in a fixed order: the stage splits after every
-other candidate; then fewer changes first; among as many changes, the least disruptive, in the order microbatches (no extra
-FLOPs, no communication), remat (a third more FLOPs), optimizer offload, ``param_layout``
-(weights gathered every step), model-axis splitting (activations communicated every layer),
-smaller factors first. Optimizer offload comes after remat and before ``param_layout``: like
-microbatches and remat it leaves the layout and the arithmetic as they are (losses are
-bit-identical), but it moves the whole optimizer state over the host link and back once per
-step, a cost that does not shrink with the batch and that nothing overlaps (the state comes in
-after the backward pass, see :mod:`meshpar.plan.out_of_core.offload_cost`); it frees exactly what the other
-two cannot touch, the optimizer state. ``param_layout`` frees it too, by gathering weights over
-device links every layer of every step and changing the layout every program sees. Parameter
-and activation offload are not candidates: their transfers run every layer of every step.
-A candidate whose parameters and optimizer state alone (exact, from the shardings) exceed the
-usable bytes is passed over without tracing the model, so even an absurd size is settled in
-seconds; the others get the full analytic check, and the first that fits is proposed. A change
-that does not apply to the config (the config it makes is refused: a ConfigError, LayoutError,
-MeshError or DataError) is skipped, and recorded with why (:attr:`Found.skipped`).
+more microbatches, ``model.remat=full``, ``offload.optimizer=true``, an FSDP ``param_layout``
+(:func:`fsdp_param_layout`), more model-axis splitting, and only when nothing else fits a stage
+split; their combinations too, fewest changes and least disruptive first. A change that does
+not apply to the config is skipped, and recorded with why (:attr:`Found.skipped`).
+The spec: docs/search-model.md ("The pre-flight's candidates").
 """
 
 from __future__ import annotations
@@ -142,7 +107,7 @@ def _model_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[st
 
 
 def _stage_meshes(cfg: Config, shape: dict[str, int]) -> list[tuple[int, dict[str, int], str]]:
-    """(factor, mesh shape, layout rules) for each stage split of `shape` (see the module docstring)."""
+    """(factor, mesh shape, layout rules) for each stage split of `shape` (see docs/search-model.md)."""
     donors = [a for a in cost.batch_axes(cfg.layout) if a in shape and a != STAGE_AXIS]
     layers = models.traits(cfg.model).stack_layers
     if not donors or not layers or STAGE_AXIS in shape:
@@ -267,7 +232,7 @@ def _why_none(params, layout: dict, own: dict, busy: set[str], ways: int, order:
 def _combinations(cfg: Config, shape: dict[str, int]) -> itertools.product:
     """Every combination of the changes tried on `cfg` with a mesh of `shape`: (mesh change:
     (factor, mesh shape, layout rules, stage split), FSDP, optimizer offload, the remat policy or
-    None, the microbatches or None); the unchanged one among them (see the module docstring)."""
+    None, the microbatches or None); the unchanged one among them (see docs/search-model.md)."""
     model = models.traits(cfg.model)  # a remat change: to full, in the field the family names for it
     remat = [None, *(["full"] if model.remat not in (None, "full") and "remat" in model.keys else [])]
     offload = [False, *([True] if not getattr(getattr(cfg, "offload", None), "optimizer", True) else [])]
@@ -348,11 +313,11 @@ def _state_bytes(cfg: Config, mesh: jax.sharding.Mesh, abstract_state) -> int:
     )
 
 
-def search(cfg: Config, step: parts.AbstractStep, element_spec: dict, usable: int, scale: float = 1.0) -> Found:
-    """The first candidate whose analytic total, times `scale`, fits in `usable` bytes per device.
-
-    `step` is the config's own abstract step; `scale` (>= 1) corrects the analytic totals where
-    XLA's figures for the config came out higher than the analytic model's."""
+def search(step: parts.AbstractStep, usable: int, scale: float = 1.0) -> Found:
+    """The first change to the built `step`'s config whose analytic total, times `scale`, fits in
+    `usable` bytes per device; `scale` (>= 1) corrects the analytic totals where XLA's figures
+    for the config came out higher than the analytic model's."""
+    cfg, element_spec = step.cfg, step.element_spec
     meshes: dict[str, jax.sharding.Mesh] = {}
     best: tuple[int, Candidate, bool] | None = None
     tried = 0
@@ -371,7 +336,7 @@ def search(cfg: Config, step: parts.AbstractStep, element_spec: dict, usable: in
                 best = (state, cand, True)
             continue
         try:
-            total = memory.analytic(cand.cfg, parts.abstract_step(cand.cfg, mesh, element_spec)).total
+            total = memory.analytic(parts.abstract_step(cand.cfg, mesh, element_spec)).total
         except ILLEGAL as e:
             skipped.append((str(cand), str(e)))
             continue

@@ -13,8 +13,7 @@ import math
 import jax
 from flax import nnx
 
-from meshpar import jaxprs, models
-from meshpar.configuration.config import Config
+from meshpar import jaxprs
 from meshpar.plan import cost, shapes
 from meshpar.plan.memory import analytic as memory
 from meshpar.plan.memory import stage_axis as stages
@@ -22,8 +21,8 @@ from meshpar.plan.memory import trace, train_state
 from meshpar.plan.out_of_core import offload_cost, offload_plan, unified
 from meshpar.plan.search import options as options_lib
 from meshpar.plan.search.candidates import MODEL_AXIS
-from meshpar.plan.time import reshards, timing
-from meshpar.step import parts, throughput, trainer
+from meshpar.plan.time import memory_rates, reshards
+from meshpar.step import parts, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,17 +51,17 @@ class Estimate:
         return self.compute_s + self.memory_s + self.collective_s + self.exposed_feed_s + self.paging_s + self.launch_s
 
 
-def pass_kernels(cfg: Config, step: parts.AbstractStep) -> int:
+def pass_kernels(step: parts.AbstractStep) -> int:
     """The kernels one microbatch's forward and backward pass launches at least: the matmuls and
     reductions of the model's own training jaxpr (``jax.grad`` of its loss under its
     ``model.remat`` policy, the recomputed forward included; loop bodies × their trip counts),
     traced for the target (its layer-loop form and attention kernel). XLA:GPU emits each matmul
     as its own kernel (a library call or a GEMM fusion) and each reduction as the root of a
     fusion of its own; the elementwise work fuses into them and is not counted, so this is a
-    lower bound on the compiled program's kernels (:attr:`meshpar.plan.time.timing.Span.kernels`).
+    lower bound on the compiled program's kernels (:attr:`meshpar.plan.time.schedule.Span.kernels`).
     Counted at the global shapes: the count does not depend on the layout (splitting a matmul
     leaves one per device; a stage axis's share of the layers is the estimate's to take)."""
-    loss, _ = trace.local_loss(cfg, step)
+    loss, _ = trace.local_loss(step)
     state, batch, _ = step.args
     with shapes.on_target(step):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)
@@ -98,21 +97,21 @@ def gradient_traffic(step: parts.AbstractStep, batch_axes: tuple[str, ...], comp
 
 
 def estimate(
-    cfg: Config,
-    option: options_lib.Option,
     step: parts.AbstractStep,
+    option: options_lib.Option,
     breakdown: memory.Breakdown,
     topo,
     dims,
     kernels: int = 0,
 ) -> Estimate:
-    """The analytic step time of `cfg` (planned as `step`, with memory `breakdown`) on `topo`;
-    `kernels`: those one microbatch's pass launches (:func:`pass_kernels`; 0: not counted)."""
-    sizes = option.sizes
-    spec, family = step.element_spec, models.family(cfg.model.name)
+    """The analytic step time of the built `step` (the search's `option`, with memory
+    `breakdown`) on `topo`; `kernels`: those one microbatch's pass launches (:func:`pass_kernels`;
+    0: not counted)."""
+    cfg, sizes = step.cfg, option.sizes
+    spec, family = step.element_spec, step.family
     batch_ways = math.prod(sizes[a] for a in option.batch)
     model_ways = sizes.get(MODEL_AXIS, 1) if option.model else 1
-    model, dtype = models.traits(cfg.model), throughput.compute_dtype(cfg.model)
+    model, dtype = step.traits, step.traits.compute_dtype
     # Without the family's FLOPs no compute term (said once: meshpar.models.missing).
     per_example = family.flops_per_example(cfg.model, spec) if family.flops_per_example is not None else 0.0
     sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
@@ -120,15 +119,12 @@ def estimate(
     flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
     flops *= 4 / 3 if model.remat == "full" else 1
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
-    c = breakdown.categories
     # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
     # gradients summed over the batch axes no weight is split on are reduced once per step
     # (meshpar.step.trainer.reduced_once), FSDP's gathers and reduce-scatters run in every pass
     k = cfg.train.microbatches if sched is None else 1
     once = set(trainer.reduced_once(step.layout, step.mesh, step.plan.shardings.params)) if k > 1 else set()
-    summed = 2 * train_state.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum
-    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
-    memory_s = timing.memory(topo, math.prod(sizes.values())).seconds(moved)
+    memory_s = _memory_seconds(step, breakdown, k, topo, sizes)
     itemsize = jax.numpy.dtype(dtype).itemsize
     gradient_s = sum(
         (1 if kind == "all-reduce" and set(axes) <= once else k)
@@ -141,17 +137,8 @@ def estimate(
         count, elements = family.activation_all_reduces(cfg.model, spec, rows, dims)
         link = topo.axis_link(sizes, MODEL_AXIS)
         activation_s = cost.collective_seconds("all-reduce", elements * itemsize, model_ways, link, count * k) * scale
-    pipeline_s = 0.0
-    if sched is not None:
-        width = model.width  # the stack's [batch, length, embed] activations
-        rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, spec)
-        traffic = stages.traffic(sched, rows, length, width, itemsize)
-        pipeline_s = traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
-    experts_s = 0.0
-    if model.experts:  # the routed tokens' all-to-alls, as the traced program implies them, on their axes' links
-        for axes, nbytes in reshards.all_to_alls(cfg, step).items():
-            ways = math.prod(sizes[a] for a in axes.split(","))
-            experts_s += cost.collective_seconds("all-to-all", nbytes, ways, topo.axis_link(sizes, axes))
+    pipeline_s = _pipeline_seconds(step, batch_ways, itemsize, topo, sizes) if sched is not None else 0.0
+    experts_s = _experts_seconds(step, topo, sizes) if model.experts else 0.0
     # every pass launches its kernels again: k passes of accumulation; a pipeline's M microbatches
     # spread over its ticks like its FLOPs (a stage runs its share of the layers per tick)
     launches = kernels * (sched.microbatches * scale if sched is not None else k)
@@ -162,9 +149,40 @@ def estimate(
                     experts_s=experts_s, kernels=launches, launch_s=launch_s)  # fmt: skip
 
 
-def paging(cfg: Config, step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
+def _memory_seconds(step: parts.AbstractStep, breakdown: memory.Breakdown, k: int, topo, sizes) -> float:
+    """Seconds of the bytes a step moves in device memory: the state read and written by the
+    update, the saved activations written and read with their cotangents in each of `k` passes,
+    and the float32 running sum read and written by each microbatch after the first."""
+    c = breakdown.categories
+    summed = 2 * train_state.running_sum_bytes(step.plan) * (k - 1)  # each further microbatch reads and writes the sum
+    moved = 2 * (c["params"] + c["grads"] + c["optimizer"]) + 4 * c["activations"] * k + summed
+    return memory_rates.memory(topo, math.prod(sizes.values())).seconds(moved)
+
+
+def _pipeline_seconds(step: parts.AbstractStep, batch_ways: int, itemsize: int, topo, sizes) -> float:
+    """Seconds of a stage axis's permutes and its outputs' all-reduce, on the stage axis's link."""
+    cfg = step.cfg
+    sched, family = step.plan.schedule, step.family
+    width = step.traits.width  # the stack's [batch, length, embed] activations
+    rows, length = cfg.train.batch_size // batch_ways, family.tokens_per_example(cfg.model, step.element_spec)
+    traffic = stages.traffic(sched, rows, length, width, itemsize)
+    return traffic.seconds(sched.stages, topo.axis_link(sizes, sched.axis))
+
+
+def _experts_seconds(step: parts.AbstractStep, topo, sizes) -> float:
+    """Seconds of a mixture of experts' routed tokens' all-to-alls, as the traced program
+    implies them, each on its axes' link."""
+    out = 0.0
+    for axes, nbytes in reshards.all_to_alls(step).items():
+        ways = math.prod(sizes[a] for a in axes.split(","))
+        out += cost.collective_seconds("all-to-all", nbytes, ways, topo.axis_link(sizes, axes))
+    return out
+
+
+def paging(step: parts.AbstractStep, breakdown: memory.Breakdown, topo, cap: cost.Capacity) -> float:
     """Seconds unified memory's page faults add to `cfg`'s step on `topo` (:func:`meshpar.plan.out_of_core.offload_cost.paging`)."""
+    cfg = step.cfg
     w = offload_plan.weights(step.plan, step.layout, step.mesh)
-    layers = models.traits(cfg.model).stack_layers or 1
+    layers = step.traits.stack_layers or 1
     blocks = unified.blocks(breakdown.categories, layers, w.layer, breakdown.residual_split, cfg.train.microbatches)
     return offload_cost.paging(blocks, breakdown.total, cap, topo, step.mesh.size)[1]

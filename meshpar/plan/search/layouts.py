@@ -1,106 +1,12 @@
 """Layout search: every mesh and layout of a config's devices that is legal and fits, ranked by
 predicted step time on a topology.
 
-**Enumerated.** Meshes: every factorisation of the device count into the config's mesh axis
-names, in their order, 1-sized axes included (a config with a single axis gets a ``model``
-axis after it). Layouts on each mesh: ``batch`` onto any subset of the axes (several at once
-as ``batch:(a,b)``, first axis major), the model's split dims (the dims the config's layout
-maps onto ``model``, else the family's: :attr:`meshpar.models.Family.split_dims`) onto the
-``model`` axis or not, and ``param_layout`` FSDP over the batch axes (the family's FSDP dims,
-taken as the pre-flight takes them: :func:`meshpar.plan.search.candidates.fsdp_param_layout`) or
-none; and, for a model with a layer stack (its family's ``stack_layers``,
-:class:`meshpar.models.Traits`), a stage axis ``stage`` of every size that divides both the
-layers and the devices, first in the mesh (its neighbours the furthest apart: a pipeline moves
-the fewest bytes of any split, one microbatch's activations per tick, so it takes the slowest
-link), carrying ``layers:stage`` and nothing else (:mod:`meshpar.sharding.stages`). Every other dim
-is replicated but, for a mixture of experts (its family's ``experts``), the experts: split
-over any one mesh axis (but the stage axis) whose size divides their count, or replicated
-(``experts:<axis>``, :mod:`meshpar.models.moe`); the config's other sections (remat, feed, the pipeline's schedule where there is
-a stage axis, ...) are kept.
-
-**Microbatches** (``train.microbatches``, :func:`meshpar.plan.search.options.microbatch_counts`): each
-choice is planned with counts that divide the rows one device holds. With a stage axis of S stages they are the
-pipeline's, and every count of at least S is a candidate of its own (fewer leave most of each
-tick idle: the bubble is (S − 1)/M of the ticks), ranked like any other: more shrink the bubble,
-and cost a permute per tick and smaller matmuls. Without one they are gradient accumulation's,
-which only saves memory: the same FLOPs in k passes of smaller matmuls, each with its own
-launches (and, under FSDP, its own gathers and reduce-scatters); so each layout gets the fewest
-that fit, tried in
-ascending order (stopping where one more no longer lowers the bytes: from two microbatches on,
-the float32 running sum is there and only the activations shrink), and the config's own count
-on its own layout besides. A count that does not split the batch, or fewer than the stages
-under the circular schedule, is illegal.
-
-**Duplicates.** Two choices that place everything alike up to the names of the axes (a rule
-onto a 1-sized axis splits nothing; ``data:8`` with ``batch:data`` is ``model:8`` with
-``batch:model``, and ``data:2,model:4`` with ``batch:(data,model)``; with nothing split every
-mesh is the same) are one candidate: the config's own where it is one of them, else the one
-with fewer such empty rules and the batch off the ``model`` axis.
-
-**Legal.** The config is built with the choice and planned as a run plans it
-(:func:`meshpar.step.parts.abstract_step`): the batch must divide over its axes and into its
-microbatches, every parameter's and activation's split dims must divide, and no tensor may
-have two dims on one axis. What fails is dropped, counted by the config key it fails on.
-
-**Fitting.** The analytic memory plan (:func:`meshpar.plan.memory.analytic.analytic`) against the
-usable bytes of one device of the machine (:func:`meshpar.plan.cost.machine_capacity`: on
-``cpu-sim`` the capacity a run would check; on another machine its memory × XLA's allocator
-fraction, or ``hardware.memory_gib`` when smaller; 5% headroom off either). Under
-``offload.unified_memory`` the capacity is oversubscribed, and a layout that needs more than
-the device's own memory pays for its paging in its estimate (``paging_s``,
-:func:`meshpar.plan.out_of_core.offload_cost.paging`), compiled or not.
-
-**Ranked analytically** (nothing compiled), per device, :class:`meshpar.plan.search.estimates.Estimate`:
-
-* compute — the family's ``flops_per_example`` × the batch, over the devices that split the
-  work (batch ways × model ways: an axis that splits nothing repeats the work), × 4/3 under
-  ``model.remat=full`` (the forward runs twice), at the topology's peak for the compute dtype ×
-  its efficiency;
-* memory — bytes a step moves in device memory: the state read and written by the update
-  (2 × (params + grads + optimizer)) and the saved activations written, read, and their
-  cotangents written and read (4 × activations, per microbatch), and with k microbatches
-  the float32 running sum read and written by each after the first (2 × its bytes × (k − 1):
-  XLA:GPU adds each gradient to it in the matmul's epilogue), from the
-  memory plan, at the device's rate (:func:`meshpar.plan.time.timing.memory`); added to compute,
-  not overlapped (the model is a ranking, not a roofline);
-* gradients — each parameter's gradient all-reduced over the batch axes it is not split on
-  (ring: 2(n−1)/n of its bytes); under FSDP, gathered twice (forward and backward) and
-  reduce-scattered instead ((n−1)/n each, ZeRO-3's 1.5 × an all-reduce); one latency per kind
-  and axis (XLA combines the small ones); with k microbatches of gradient accumulation the
-  all-reduce once (each device sums its own rows' gradients over the microbatches:
-  :func:`meshpar.step.trainer.accumulate_locally`), FSDP's gathers and reduce-scatters k times;
-* activations — with the model dims split n ways, the all-reduces over the ``model`` axis
-  the family says the split adds (:attr:`meshpar.models.Family.activation_all_reduces`,
-  Megatron's pattern: for the Transformer 2 per split sublayer and layer, its output forward
-  and its input's gradient backward, 1 more under remat, and 1 for the vocab-split output; for
-  the MLP 1 after each split hidden layer), each ``[rows per device, ..., width]`` in the
-  compute dtype (with k microbatches of accumulation, k times as many, of 1/k the rows);
-* experts (a mixture of experts) — the all-to-alls of its routed tokens, as the layout's
-  re-placements in the traced program imply them (:func:`meshpar.plan.time.reshards.all_to_alls`),
-  each on its mesh axes' link;
-* pipeline (a stage axis; :mod:`meshpar.plan.memory.stage_axis`) — the compute of the layer stack
-  (its share of the family's FLOPs, :attr:`meshpar.models.Family.layer_flops`) over S stages
-  and stretched by the bubble, × T/(R·M) / S, the rest whole on every stage (the model
-  axis's activation all-reduces scaled alike); and 2·T ``collective-permute`` ops of one
-  microbatch's stack output plus one all-reduce of the batch's over the stage axis's link;
-* launches — the fixed cost of every kernel (the topology's ``kernels.launch_us``) times the
-  kernels one device launches: :func:`meshpar.plan.search.estimates.pass_kernels` per pass (the
-  matmuls and reductions of the model's training jaxpr, a lower bound on the compiled program's), once per microbatch of
-  accumulation, and spread over a pipeline's ticks like its FLOPs; so more microbatches cost
-  what they cost on a GPU (each pass launches every kernel again), not nothing;
-* feed — the batch's placement time (:mod:`meshpar.plan.time.feed_time`), only the part longer
-  than compute when ``feed.prefetch`` ≥ 1.
-
-**Then compiled**: the top K layouts by that estimate, each at its best-estimated microbatch
-count (K counts of one layout would leave the other layouts unread, and the largest counts
-compile slowest), are compiled ahead of time (nothing allocated)
-and ranked by the HLO-based model (:func:`meshpar.plan.time.timing.predict`), their XLA memory
-checked against the capacity too. The ranking: compiled and fitting first, by the HLO model;
-then the other fitting ones, by the estimate. Predictions within :data:`TIE` of the fastest
-are a tie: the model does not tell them apart (measured step times of the top layouts differ
-by a few percent and swap places from run to run on a shared host), and among them the one
-that moves the fewest collective bytes leads — the term the model is least sure of, and the
-one that grows first on a bigger machine.
+Meshes, layouts and microbatch counts are enumerated and deduplicated; each is built as a run
+builds it (what fails is dropped, counted by the key it fails on) and checked by the analytic
+memory plan; the rest are ranked by an analytic estimate (:mod:`meshpar.plan.search.estimates`),
+and the best :data:`TOP_K` compiled and ranked again by the HLO-based model
+(:func:`meshpar.plan.time.timing.predict`), predictions within :data:`TIE` of each other a tie
+broken by fewer collective bytes. The spec: docs/search-model.md.
 """
 
 from __future__ import annotations
@@ -129,7 +35,9 @@ from meshpar.step import inputs as inputs_lib
 
 MODEL_AXIS = candidates.MODEL_AXIS
 TOP_K = 5
-TIE = 0.05  # predicted step times closer than this share are a tie (see the module docstring)
+# Predicted step times closer than this share are a tie: measured step times of the top layouts
+# differ by a few percent and swap places from run to run on a shared host (docs/search-model.md).
+TIE = 0.05
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,20 +151,20 @@ class _Planner:
         """`option` planned as the config `new`; raises what makes it illegal."""
         mesh = self.meshes.get(new.mesh_str) or self.meshes.setdefault(new.mesh_str, mesh_lib.build_mesh(new.mesh))
         step = parts.abstract_step(new, mesh, self.spec)
-        breakdown = memory.analytic(new, step)
+        breakdown = memory.analytic(step)
         self.cap = self.cap or cost.machine_capacity(self.cfg, self.topo, mesh)
         if self.kernels is None:
-            self.kernels = estimates.pass_kernels(new, step)
-        est = estimates.estimate(new, option, step, breakdown, self.topo, self.dims, self.kernels)
+            self.kernels = estimates.pass_kernels(step)
+        est = estimates.estimate(step, option, breakdown, self.topo, self.dims, self.kernels)
         if self.cap.migrated(breakdown.total):  # unified memory: the bytes beyond the device page each step
-            est = dataclasses.replace(est, paging_s=estimates.paging(new, step, breakdown, self.topo, self.cap))
+            est = dataclasses.replace(est, paging_s=estimates.paging(step, breakdown, self.topo, self.cap))
         own = options_lib.is_own(self.cfg, option, new, self.own_mesh)
         return Row(option, new, step, breakdown.total, est, breakdown.total <= self.cap.usable_bytes, own,
                    replaces_param_layout=bool(self.cfg.param_layout),
                    given_microbatches=self.cfg.train.microbatches)  # fmt: skip
 
     def rows(self, option: options_lib.Option) -> list[Row]:
-        """The rows `option` gives (see the module docstring): with a stage axis one per count;
+        """The rows `option` gives (see docs/search-model.md): with a stage axis one per count;
         without, the fewest microbatches that fit (and the config's own count on its own layout),
         or where none fits the one with the fewest bytes."""
         cfg = self.cfg
@@ -318,14 +226,14 @@ def compile_row(row: Row, target: gpu_target.Target, topo, spec: dict, cap: cost
     with compile_cache.suspended(target.compile_only):
         row.compiled = row.step.lower().compile()
     row.compile_s = time.perf_counter() - t
-    row.predicted = timing.predict(row.cfg, row.step, row.compiled, topo, row.estimate.feed_s)
+    row.predicted = timing.predict(row.step, row.compiled, topo, row.estimate.feed_s)
     row.xla_bytes = aot.memory(row.compiled)["total_bytes"]
     row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
 
 
 def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
     """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
-    the `top` best estimates and rank (see the module docstring). `progress(text)`: called as
+    the `top` best estimates and rank (see docs/search-model.md). `progress(text)`: called as
     it goes. On a GPU machine with XLA's GPU compiler installed the best estimates are compiled
     for that GPU (:mod:`meshpar.plan.gpu_target`): the enumeration and the estimates read the
     model on this host's devices (nothing compiled), the compiled ranking reads the GPU's program."""

@@ -5,40 +5,7 @@ The step-time model (:mod:`meshpar.plan.time.timing`) prices each op of XLA:GPU'
 component costs. Their parameters belong to a device kind or a link kind — never to a model, a
 layout or a measured row — and each is read from the topology file, where its source is cited
 (``kernels:`` and ``device_link.allreduce_us``; see :func:`parse` and :func:`parse_curve`).
-
-**GEMMs** (a Triton GEMM fusion, a cuBLAS call, any fusion holding a dot). A GEMM kernel splits
-its ``[M, N]`` output (per batch entry) into tiles of ``gemm_tile`` and runs them in *waves* of
-one tile per SM (NVIDIA, *Matrix Multiplication Background User's Guide*, "Dimension
-Quantization Effects": tile and wave quantization). Every tile of a wave costs what a full tile
-costs, so the kernel takes
-
-    waves × 2·tile_m·tile_n·K / (peak / SMs × gemm_fraction),   waves = ⌈B·⌈M/tile_m⌉·⌈N/tile_n⌉ / SMs⌉
-
-``peak`` is the device's dense tensor-core peak for the operands' dtype, ``gemm_fraction`` the
-share of it a large GEMM sustains (the library's rate, cited per device). A thin or small GEMM
-(few tiles, part of a wave idle, or padding in a tile) is thereby far below that rate, a large
-one close to it. The kernel also cannot beat its bytes at the achieved memory bandwidth.
-
-**Fused attention** (cuDNN ``__cudnn$fmha…``): its FLOPs (FlashAttention's count,
-:mod:`meshpar.plan.hlo`) in waves of one ``[128 query rows]`` block per SM, at
-``attention_fraction`` of the peak.
-
-**Memory-bound kernels** (every other fusion, copies, slices, updates): their bytes (what the op
-reads and writes, :mod:`meshpar.plan.time.timing`) at ``memory_fraction`` × the datasheet bandwidth,
-or their FLOPs at the CUDA-core peak, whichever is longer.
-
-**Every kernel** pays ``launch_us`` on top: the launch and the ramp-up and drain of its blocks,
-which back-to-back small kernels expose.
-
-**Collectives**: NCCL's all-reduce time by message size and group size, measured
-(``device_link.allreduce_us``: nccl-tests times at listed sizes for each group size, linear
-between listed sizes, beyond the largest at the largest's bus bandwidth, below the smallest
-along the line through the two smallest). The other collectives move the same bytes per device
-as an all-reduce of part of their buffer — a ring all-gather or reduce-scatter of S bytes, and
-an all-to-all of S, send (n−1)/n·S per device, an all-reduce of S/2 as many — so they are priced
-as that all-reduce; a collective-permute of S as a 2-device all-reduce of S (one peer each way).
-A link with no measured curve (PCIe peers, the network between hosts) keeps the ring model
-(:func:`meshpar.plan.cost.collective_seconds`).
+The spec: docs/time-model.md ("GPU kernel costs").
 """
 
 from __future__ import annotations
@@ -130,7 +97,7 @@ class Curve:
 
     def seconds_of(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds of one collective of `kind` whose HLO buffer is `nbytes` per device (an
-        all-gather's: the gathered result) over `n` devices (see the module docstring)."""
+        all-gather's: the gathered result) over `n` devices (see docs/time-model.md)."""
         if kind == "all-reduce":
             return self.allreduce(nbytes, n)
         if kind == "collective-permute":
@@ -238,6 +205,8 @@ def _waves(tiles: float, sms: int) -> int:
 
 def gemm_seconds(g: Gemm, peak: float, sms: int, costs: KernelCosts) -> float:
     """Seconds of the arithmetic of a GEMM kernel (tile and wave quantization; no launch)."""
+    # Tiles run in waves of one per SM, each tile of a wave costing a full one: NVIDIA, "Matrix
+    # Multiplication Background User's Guide", "Dimension Quantization Effects".
     tm, tn = costs.gemm_tile
     tiles = g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn)
     per_sm = peak / sms * costs.gemm_fraction

@@ -10,7 +10,7 @@ at global shapes with the step's layout active. Two sharding constraints in a ro
 device: split along dim i before and dim j ≠ i after, an all-to-all over it (each device sends
 its shard of the operand, split by destination); split before and not after, an all-gather;
 not split before, a slice (nothing moves). One re-placement's all-to-all axes run as one
-all-to-all (the axes joined, as :mod:`meshpar.plan.time.timing` names a collective's), its bytes
+all-to-all (the axes joined, as :func:`meshpar.plan.time.replica_groups.axes` names a collective's), its bytes
 per device those of the operand's shard: what XLA's partitioner emits and what
 :func:`meshpar.plan.time.timing.predict` reads back from the compiled program
 (``scripts/bench_moe.py`` checks one against the other). Loop bodies count their trip counts.
@@ -23,7 +23,6 @@ import math
 import jax
 
 from meshpar import jaxprs
-from meshpar.configuration.config import Config
 from meshpar.plan.memory import trace
 from meshpar.sharding import layout as layout_lib
 from meshpar.step import parts
@@ -49,10 +48,10 @@ def moved(src, dst, shape: tuple[int, ...], itemsize: int) -> tuple[str, int] | 
     return ",".join(axes), math.prod(shard) * itemsize
 
 
-def all_to_alls(cfg: Config, step: parts.AbstractStep) -> dict[str, int]:
+def all_to_alls(step: parts.AbstractStep) -> dict[str, int]:
     """Mesh axes (``"a"`` or ``"a,b"``) → bytes per device per step of the all-to-alls the
     step's layout implies (see the module docstring); empty where it implies none."""
-    loss, _ = trace.local_loss(cfg, step)
+    loss, _ = trace.local_loss(step)
     state, batch, _ = step.args
     with layout_lib.activate(step.layout, step.mesh):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, batch)

@@ -4,10 +4,8 @@ next to the other ways of freeing device memory (``--topology``, ``--offload-swe
 
 from __future__ import annotations
 
-from meshpar import models
 from meshpar.plan.out_of_core import offload_cost
 from meshpar.plan.report import fmt_bytes
-from meshpar.step import throughput
 
 
 def fmt_seconds(s: float) -> str:
@@ -19,14 +17,15 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.1f} µs"
 
 
-def model_rates(cfg, step, step_time, topology) -> dict:
+def model_rates(step, step_time, topology) -> dict:
     """What the predicted step means for the model, as a run reports it (:mod:`meshpar.step.throughput`):
     ``model_flops`` (the model's own FLOPs per device per step, the count MFU uses — not the
     compiled program's, which adds recomputation), ``tokens_per_s`` over every device, and ``mfu``
     against the machine's dense peak for the compute dtype (None without a peak). Without the
     family's FLOPs (``flops_per_example`` not given) ``model_flops`` and ``mfu`` are None and
     ``no_flops`` says why."""
-    family = models.family(cfg.model.name)
+    cfg = step.cfg
+    family = step.family
     batch = cfg.train.batch_size
     tokens = family.tokens_per_example(cfg.model, step.element_spec)
     seconds = step_time.total_s
@@ -35,7 +34,7 @@ def model_rates(cfg, step, step_time, topology) -> dict:
         why = f"family {cfg.model.name} gives no FLOPs (flops_per_example not given)"
         return {"model_flops": None, **out, "mfu": None, "no_flops": why}
     model_flops = family.flops_per_example(cfg.model, step.element_spec) * batch / step.mesh.size
-    peak = topology.peak(throughput.compute_dtype(cfg.model))
+    peak = topology.peak(step.traits.compute_dtype)
     return {"model_flops": model_flops, **out, "mfu": model_flops / seconds / peak if seconds and peak else None}
 
 

@@ -1,79 +1,17 @@
-"""Multi-process runs on ``jax.distributed``: joining within a deadline, and stopping together.
-
-:func:`join` connects this process to the others and starts the backend (the CPU client
-exchanges every process's devices through the coordinator), all within
-``distributed.initialization_timeout`` seconds:
-
-- The preemption service is turned off (``jax_enable_preemption_service``). Left on,
-  ``jax.distributed.initialize`` installs its SIGTERM notifier, which swallows a SIGTERM that
-  arrives before the train loop's own handler (the run went on as if nothing happened) and
-  which ``signal.signal`` later replaces without a word. meshpar stops on SIGTERM by itself
-  (:mod:`meshpar.processes.stop`), so SIGTERM is meshpar's alone.
-- ``initialization_timeout``, ``heartbeat_timeout_seconds`` and ``shutdown_timeout_seconds``
-  come from the ``distributed`` config section (jax's defaults, 300/100/300 s, would leave a
-  survivor waiting minutes for a dead peer); inside :func:`stop_together` jax's heartbeat
-  timeout is a backstop behind meshpar's own check (below). The CPU client's own waits for the other
-  processes' devices (``jax_cpu_get_{local,global}_topology_timeout_minutes``, whole minutes,
-  0 = fail at once) are set just above the deadline.
-- When the coordinator cannot be reached, a peer never comes, or a peer joins but never
-  starts its devices, jax's wait ends in a C++ ``LOG(FATAL)`` (SIGABRT, exit 134, a stack
-  trace; and only after the limit plus several seconds) that no Python code can catch. A
-  watchdog thread ends the wait first, at the deadline, with one line
-  (``distributed error: ...``) and exit status 2; jax's own limit is set 10 s later, as a
-  backstop.
-
-:func:`stop_together` (the CLI wraps each run in it) makes one process's failure end every
-process. Without it, a process that fails after the others joined (e.g. a ``data error:``
-from its own ``data.corpus_dir``) exits, and the others wait in their next collective until
-the heartbeat timeout aborts them from C++. Through the coordination service's key-value
-store (:func:`meshpar.jax_compat.coordination_client`: jax has no public API for it):
-
-- every process has a mailbox key, ``meshpar/stop_together/<process>``, on which a daemon
-  watcher thread blocks;
-- a process that fails (a one-line error, an unexpected exception, or SIGINT/SIGTERM outside
-  the train loop, which then stops it at once) posts ``{process, line, exit status}`` into
-  every other mailbox and waits (5 s at most) for each to acknowledge; each watcher prints
-  ``<line> (on process K)`` and ends its process with that status (``os._exit``: its main
-  thread may be inside a collective that will never complete);
-- the failing process prints its own line as usual, then leaves through ``os._exit`` too: a
-  normal exit would wait at jax's shutdown barrier for peers that are already gone and then
-  abort (134) after ``shutdown_timeout_seconds``. (If every other process had already
-  finished, they wait at that barrier, and a normal exit lets them all leave cleanly.)
-  Process 0 holds the coordination service, whose end aborts every other process at once,
-  so it leaves last: after each other process has posted ``.../gone/<process>`` (10 s at most);
-- a process that finishes (or stops on SIGINT/SIGTERM inside the train loop, which every
-  process does at the same step) posts ``done`` into its own mailbox, which wakes its
-  watcher, and joins it: no watcher is left inside an RPC at interpreter exit (on Python
-  3.12 that aborts the process).
-
-A lost peer (killed outright: SIGKILL, the OOM killer, a lost machine) cannot tell anyone,
-and jax would abort every survivor (134, a C++ stack trace) only after its heartbeat timeout.
-meshpar's own liveness check (:mod:`meshpar.processes.liveness`: heartbeats through the same store,
-from threads of their own) finds it first: process 0 tells every other survivor as above,
-prints ``training error: lost process K (no heartbeat for N s); last checkpoint: step S in
-DIR`` (the newest committed step in the checkpoint folder; the others add ``(on process 0)``),
-and every survivor exits with status 1, process 0 last. gloo does fail a collective at once
-when it was reading from the lost peer's connection (``Connection reset by peer``, seen with 4
-processes): a process whose jax runtime fails first looks whether a peer's heartbeat stands
-still, and if one does waits (the timeout and a few seconds at most) for process 0's verdict,
-so that the lost process is named rather than the collective error it caused.
-
-When process 0 (the coordination service) is the one killed, the others end within a second:
-usually the watcher's read fails first and prints ``training error: lost the coordination
-service (process 0): ...; last checkpoint: ...`` (exit 1), else jax's abort (134) wins the race.
-A peer that is alive but hung (its Python still beating) is not detected at all: the others
-wait in the collective, as in any SPMD program.
-"""
+"""Stopping a multi-process run together: a failure on one process (a one-line error, an
+unexpected exception, SIGINT/SIGTERM outside the train loop) ends every process with its line
+and ``(on process K)``, and a lost peer (no heartbeat: :mod:`meshpar.processes.liveness`) is
+named in one line with the last checkpoint, instead of jax's abort after its heartbeat timeout.
+Messages go through the coordination service's key-value store, one mailbox per process. The
+design: docs/multi-process.md, "How processes start and stop together"."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import json
-import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -81,162 +19,17 @@ import time
 import jax
 
 from meshpar.checkpoints.rundir import committed_steps
-from meshpar.configuration.config import DistributedConfig
-from meshpar.configuration.errors import DistributedError, TrainingError, describe
+from meshpar.configuration.errors import TrainingError, describe
 from meshpar.jax_compat import coordination_client
 from meshpar.processes import liveness
+from meshpar.processes.lines import exit_now, one_line
 from meshpar.processes.stop import Interrupted
 
 # <_KEY>/<process>: its mailbox; <_KEY>/ack/<process>: it heard a failure; <_KEY>/gone/<process>: it is leaving
 _KEY = "meshpar/stop_together"
 _DONE = "done"
-_BACKSTOP_S = 10  # jax's own initialization limit, past our deadline: the one line is ours
 _ACK_S = 5.0  # how long a failing process waits for the others to hear it
 _POLL_MS = 10 * 60 * 1000  # a watcher's blocking read; it just reads again when it times out
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def _exit_now(line: str, status: int) -> None:
-    """Print `line` on stderr and end the process with `status`, skipping interpreter shutdown."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 — a closed stdout must not keep the process alive
-        pass
-    try:
-        print(line, file=sys.stderr, flush=True)
-    finally:
-        os._exit(status)
-
-
-# ------------------------------------------------------------------------------------------
-# Joining
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float, describe_failure):
-    """End the process with ``describe_failure()`` (one line, exit 2) if the block is still
-    running after `seconds`. The block waits inside jax's C++ code, which releases the GIL."""
-    done = threading.Event()
-
-    def watch() -> None:
-        if not done.wait(seconds):
-            _exit_now(describe_failure(), 2)
-
-    thread = threading.Thread(target=watch, name="meshpar-join-deadline", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-def _probe(address: str) -> str | None:
-    """Why a TCP connection to `address` fails, or None if it opens."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-            return None
-    except (OSError, ValueError) as e:
-        return (getattr(e, "strerror", None) or str(e) or type(e).__name__).lower()
-
-
-def _startup_failure(cfg: DistributedConfig, phase: str) -> str:
-    who = f"process {cfg.process_id}" if cfg.process_id >= 0 else "this process"
-    wait = f"within {cfg.initialization_timeout} s (distributed.initialization_timeout)"
-    address = cfg.coordinator or "the coordinator"
-    if phase == "backend":
-        return (
-            f"distributed error: {who}: the {cfg.num_processes} processes joined, but not all of them "
-            f"started their devices {wait}"
-        )
-    if cfg.process_id == 0:
-        return (
-            f"distributed error: not all {cfg.num_processes} processes joined the coordinator at "
-            f"{address} {wait}: a process never came"
-        )
-    why = _probe(cfg.coordinator) if cfg.coordinator else None
-    if why:
-        return (
-            f"distributed error: {who} cannot reach the coordinator at {address} ({why}) {wait}; "
-            f"process 0 must run there (distributed.coordinator)"
-        )
-    return (
-        f"distributed error: {who} could not join the coordinator at {address} {wait}: "
-        f"a process never came, or that address is not process 0's coordinator"
-    )
-
-
-def join(cfg: DistributedConfig, checkpoint_dir: str | None = None) -> None:
-    """Connect this process to the others and start the backend (before any other JAX call).
-
-    Raises DistributedError (one line) when jax refuses the settings; ends the process with
-    one line and exit status 2 when the others cannot be reached in time (see module doc).
-    CPU devices of different processes exchange collectives over gloo; accelerators use
-    their own (NCCL on GPU), so the setting is harmless there. Inside :func:`stop_together`,
-    meshpar watches for lost processes itself (`checkpoint_dir`: where the line it ends with
-    looks for the last checkpoint) and jax's heartbeat timeout becomes the backstop.
-    """
-    jax.config.update("jax_enable_preemption_service", False)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    minutes = max(1, math.ceil(cfg.initialization_timeout / 60))
-    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
-    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", minutes + 1)  # must be longer
-    phase = "connect"
-    with _deadline(cfg.initialization_timeout, lambda: _startup_failure(cfg, phase)):
-        try:
-            jax.distributed.initialize(
-                cfg.coordinator or None,
-                cfg.num_processes,
-                None if cfg.process_id < 0 else cfg.process_id,
-                initialization_timeout=cfg.initialization_timeout + _BACKSTOP_S,
-                heartbeat_timeout_seconds=(
-                    cfg.heartbeat_timeout_seconds
-                    if _together is None
-                    else liveness.jax_heartbeat_timeout(cfg.heartbeat_timeout_seconds)
-                ),
-                shutdown_timeout_seconds=cfg.shutdown_timeout_seconds,
-            )
-        except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no cluster detected, joined twice
-            keys = "distributed.coordinator, distributed.num_processes, distributed.process_id"
-            raise DistributedError(f"cannot join the other processes: {_one_line(e)} ({keys})") from None
-        phase = "backend"
-        if _together is not None:
-            # Before the backend: a peer failing (or lost) from here on is heard.
-            _together.start(cfg.heartbeat_timeout_seconds, checkpoint_dir)
-        try:
-            jax.devices()
-        except RuntimeError as e:
-            raise DistributedError(
-                f"process {jax.process_index()}: the processes' devices could not be gathered: {_one_line(e)}"
-            ) from None
-
-
-# ------------------------------------------------------------------------------------------
-# Stopping together
-
-
-def agree(name: str, value, combine, timeout_s: float = 600):
-    """`combine` of every process's `value` (JSON-able), exchanged through the coordination
-    service's key-value store (each process posts its own, then reads all); `value` itself in a
-    single-process run. Every process gets the same result. Raises DistributedError when a
-    peer has not posted within `timeout_s`."""
-    if jax.process_count() == 1:
-        return value
-    client = coordination_client()
-    prefix = f"meshpar/agree/{name}"
-    try:
-        client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
-        values = [
-            json.loads(client.blocking_key_value_get(f"{prefix}/{k}", int(timeout_s * 1000)))
-            for k in range(jax.process_count())
-        ]
-    except Exception as e:  # noqa: BLE001 — jax's JaxRuntimeError: a peer never posted its value
-        raise DistributedError(f"could not gather every process's {name}: {_one_line(e)}") from None
-    return combine(values)
 
 
 class _Together:
@@ -323,7 +116,7 @@ class _Together:
                 what = (
                     "lost the coordination service (process 0)" if self.process else "the coordination service failed"
                 )
-                _exit_now(describe(TrainingError(f"{what}: {status}; {self._last_checkpoint()}"))[0], 1)
+                exit_now(describe(TrainingError(f"{what}: {status}; {self._last_checkpoint()}"))[0], 1)
                 return
             if value == _DONE:
                 return
@@ -466,6 +259,12 @@ class _Together:
 _together: _Together | None = None
 
 
+def current() -> _Together | None:
+    """The watcher of the :func:`stop_together` block this process runs in (None outside one):
+    :func:`meshpar.processes.joining.join` starts it once this process has joined the others."""
+    return _together
+
+
 class _StoppedAtOnce(BaseException):
     """SIGINT/SIGTERM outside the train loop (or a second one inside it)."""
 
@@ -490,14 +289,14 @@ def _failure(error: BaseException) -> tuple[str, int]:
         return "stopped by SIGINT", 128 + signal.SIGINT
     if isinstance(error, SystemExit):
         return f"exited with status {error.code}", error.code if isinstance(error.code, int) else 1
-    return f"training error: unexpected {type(error).__name__}: {_one_line(error)}", 1
+    return f"training error: unexpected {type(error).__name__}: {one_line(error)}", 1
 
 
 @contextlib.contextmanager
 def stop_together():
     """Run a command so that a failure on one process ends every process (see module doc).
 
-    Does nothing until :func:`join` connects this process to others.
+    Does nothing until :func:`meshpar.processes.joining.join` connects this process to others.
     """
     global _together
     together = _together = _Together()

@@ -1,0 +1,40 @@
+"""The run settings of a decoder family's config (:mod:`meshpar.models.decoder`): the dtypes, the
+layer loop, remat and the attention core. They change how a model runs, never what it computes
+beyond rounding; the decoder takes them by the same names (:func:`meshpar.models.decoder.configure`).
+
+:class:`RunSettings` is a dataclass base, as :class:`meshpar.models.moe_config.MoEFields` is: a
+family's config lists its own fields in a base of its own and takes these after them, before the
+mixture-of-experts ones (``class LlamaConfig(MoEFields, RunSettings, _LlamaFields)``: a dataclass
+puts the fields of its last base first). :func:`meshpar.config_reference.field_docs` reads their
+comments here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    # Dtype the parameters are stored (and the optimizer's moments kept) in, and the dtype the
+    # layers compute in: bfloat16 compute with float32 parameters is mixed precision. The loss
+    # (softmax cross-entropy) is float32 regardless.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
+    # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
+    # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.
+    remat: Literal["none", "full", "dots"] = "none"
+    # Attention core (meshpar.models.attention): xla = full [length, length] scores; blockwise =
+    # flash-style over key blocks of attention_block positions (memory grows with length x
+    # block); cudnn = cuDNN's fused attention where it applies (CUDA GPU, bfloat16/float16,
+    # supported head dim), else blockwise; auto = cuDNN where it applies, else xla.
+    attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
+    # Key/value positions per block of blockwise attention; must divide the length when smaller.
+    attention_block: int = dataclasses.field(default=512, metadata={"min": 1})
+    # Layers per iteration of the layer scan (lax.scan's unroll). 0 = by backend, at trace time:
+    # on CPU the whole stack when it has at most UNROLL_LAYERS_CPU layers (a loop iteration
+    # costs more there than the compile time it saves: stacked residuals are zero-filled,
+    # sliced and copied) unless remat is on, else 1.
+    scan_unroll: int = dataclasses.field(default=0, metadata={"min": 0})
