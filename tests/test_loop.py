@@ -233,7 +233,10 @@ def test_a_profile_window_past_the_run_says_what_is_traced(tmp_path, capsys):
 
     def said(resumed_at, **profile):  # of an 8-step run resumed from step `resumed_at`
         return loop.notices(
-            dataclasses.replace(exp, cfg=_cfg(tmp_path, False, {"steps": 8, "profile": profile})), resumed_at
+            dataclasses.replace(
+                exp, step=dataclasses.replace(exp.step, cfg=_cfg(tmp_path, False, {"steps": 8, "profile": profile}))
+            ),
+            resumed_at,
         )
 
     assert said(4, start=2, steps=2) == [
@@ -255,7 +258,7 @@ def test_eval_batches_beyond_the_eval_split_say_how_many_are_used(tmp_path, caps
     ]
     assert summary["final_eval_loss"] == loop.evaluate(exp, exp.state)["eval_loss"] > 0
     two = _cfg(tmp_path / "two", False, {"steps": 2, "eval_every": 2, "eval_batches": 2})
-    assert loop.notices(dataclasses.replace(exp, cfg=two), 0) == []
+    assert loop.notices(dataclasses.replace(exp, step=dataclasses.replace(exp.step, cfg=two)), 0) == []
     # No eval split at all: eval_every cannot take effect either.
     data = {"num_examples": 1024, "num_eval_examples": 0, "num_features": 48}
     exp = experiment.build(_cfg(tmp_path / "none", False, {"steps": 2, "eval_every": 2}, data=data))

@@ -40,6 +40,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 
 from meshpar import jax_compat
+from meshpar.backend import jax_import
 
 # The lines dropped from captured stderr (each pattern must match a whole line): absl's banner
 # before its first message, and the CUDA runtime stub's "no driver" message (glog prefix:
@@ -147,7 +148,7 @@ def set_up() -> None:
     with native_stderr_filtered():
         # Imported here, inside the capture (importing jax prints the noise), and only where the
         # plugin is: on a host without one, importing meshpar does not import jax.
-        import jax
+        jax = jax_import.import_jax()
 
         if jax_imported and decision.jax_platforms is not None and not jax.config.jax_platforms:
             jax.config.update("jax_platforms", decision.jax_platforms)

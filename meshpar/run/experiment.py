@@ -44,18 +44,13 @@ class Experiment:
     checkpointer: Checkpointer | None = None
     record: dict = dataclasses.field(default_factory=dict)  # what each checkpoint records about the run
     resumed_from: int | None = None  # the checkpoint step the state came from
+    # The step's, for the loop to read: set from `step`, never given.
+    cfg: Config = dataclasses.field(init=False)
+    mesh: jax.sharding.Mesh = dataclasses.field(init=False)
+    layout: object = dataclasses.field(init=False)
 
-    @property
-    def cfg(self) -> Config:
-        return self.step.cfg
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh:
-        return self.step.mesh
-
-    @property
-    def layout(self):
-        return self.step.layout
+    def __post_init__(self):
+        self.cfg, self.mesh, self.layout = self.step.cfg, self.step.mesh, self.step.layout
 
 
 def _as_step(compiled: jax.stages.Compiled, jitted) -> object:

@@ -15,25 +15,13 @@ import os
 import re
 from collections.abc import Mapping
 
-# jax reads JAX_NUM_CPU_DEVICES once, while it is imported, and a value that is not an integer
-# makes `import jax` itself raise: a traceback before any meshpar code could say what is wrong.
-# Such a value is hidden from that import (the variable is put back right after it) and reported
-# in one line by `cpu_devices_from_env`. meshpar.configuration.config and meshpar.sharding.layout import this module
-# before anything imports jax, so this import is jax's first.
-CPU_DEVICES_ENV = "JAX_NUM_CPU_DEVICES"
-_hidden = os.environ.pop(CPU_DEVICES_ENV, None)
-if _hidden is not None:
-    try:
-        int(_hidden)  # what jax does with it
-    except ValueError:
-        pass  # stays hidden from the import below
-    else:
-        os.environ[CPU_DEVICES_ENV], _hidden = _hidden, None
-try:
-    import jax
-finally:
-    if _hidden is not None:
-        os.environ[CPU_DEVICES_ENV] = _hidden
+from meshpar.backend import jax_import
+
+# jax's first import hides a JAX_NUM_CPU_DEVICES that is not an integer (meshpar.backend.jax_import),
+# which `cpu_devices_from_env` then reports in one line. meshpar.configuration and
+# meshpar.sharding.layout import this module before anything imports jax.
+CPU_DEVICES_ENV = jax_import.CPU_DEVICES_ENV
+jax = jax_import.import_jax()
 from jax.sharding import AxisType, Mesh  # noqa: E402 - jax is imported above, with the env var set
 
 # A `-1` axis on a host with only CPUs fills this many simulated devices, unless
