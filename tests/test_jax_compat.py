@@ -276,14 +276,17 @@ self._private
 
 @pytest.mark.gpu_target
 def test_the_cublas_workspace_rule_is_what_this_jaxlibs_xla_gpu_does():
-    # The rule against the fact it stands for: a small MLP's train step compiled deviceless for
-    # an H100 with its matmuls lowered to cuBLAS calls (Triton GEMMs off), and each of the step's
-    # matmuls compiled alone for the same device, the way the memory model's probe compiles them;
-    # a cuBLAS call's workspace is the s8 element of its result.
-    cfg = config.from_dict({
-        "mesh": "data:8", "model": {"name": "mlp", "hidden": [512, 256]}, "train": {"batch_size": 256},
-        "data": {"num_features": 256, "num_examples": 512, "num_eval_examples": 0},
-    })  # fmt: skip
+    # The rule against the fact it stands for: a small transformer's train step (the quickstart's
+    # data + model parallel layout, the config the GPU memory test skips under the rule) compiled
+    # deviceless for an H100 with its matmuls lowered to cuBLAS calls (Triton GEMMs off), and each
+    # of the step's matmuls compiled alone for the same device, the way the memory model's probe
+    # compiles them; a cuBLAS call's workspace is the s8 element of its result. Measured: jaxlib
+    # 0.10.2 gives 4 MiB both ways, 0.12.0.1 gives 32 MiB in the step (a small MLP's step: 4 MiB
+    # on both, so it cannot tell the two apart).
+    cfg = config.load("experiments/quickstart.yaml", [
+        "model.d_model=64", "model.n_heads=4", "model.d_head=16", "model.d_ff=256", "model.max_length=64",
+        "data.length=64", "data.max_bytes=200000", "train.batch_size=16", "model.n_layers=2", "train.progress=false",
+    ])  # fmt: skip
     step = parts.abstract_step(cfg, devices=gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh).devices)
     options = {"xla_gpu_enable_triton_gemm": False}
     text = step.lower().compile(compiler_options=options).as_text()
