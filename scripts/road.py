@@ -18,7 +18,7 @@ of the project (an older commit, say) with the same floors table, so two trees c
 same terms. Prints a table; ``--json PATH`` writes the figures.
 
     python scripts/road.py
-    git worktree add /tmp/before <commit> && python scripts/road.py --repo /tmp/before
+    git worktree add ../before <commit> && python scripts/road.py --repo ../before
 """
 
 from __future__ import annotations
