@@ -221,7 +221,11 @@ def compile_step(cfg, mesh=None, element_spec=None, variant: Callable[[Any], Any
     over the same arguments, compiled instead of theirs (a reference program to compare with)."""
     from meshpar.step import parts as parts_lib  # here: see the module docstring
 
-    parts = parts_lib.abstract_step(cfg, mesh=mesh, element_spec=element_spec)
+    return _compiled(parts_lib.abstract_step(cfg, mesh=mesh, element_spec=element_spec), variant)
+
+
+def _compiled(parts, variant: Callable[[Any], Any] | None) -> CompiledStep:
+    """`parts`' train step (or `variant`'s, over the same arguments) lowered and compiled, timed."""
     if variant is not None:
         parts = dataclasses.replace(parts, step=variant(parts))
     start = time.perf_counter()
@@ -259,8 +263,8 @@ class Running:
 
 def materialize(cfg, batches: int = 2, variant: Callable[[Any], Any] | None = None) -> Running:
     """`cfg`'s experiment built (:func:`meshpar.run.experiment.build`), its first `batches` train
-    batches placed by its feeder, and its train step compiled on its mesh and data
-    (:func:`compile_step`, with `variant`), ready to run on its real state."""
+    batches placed by its feeder, and the train step of its built step compiled (with `variant`),
+    ready to run on its real state."""
     from meshpar.processes import stop  # here: see the module docstring
     from meshpar.run import experiment
 
@@ -268,7 +272,7 @@ def materialize(cfg, batches: int = 2, variant: Callable[[Any], Any] | None = No
     exp = experiment.build(cfg)
     build_s = time.perf_counter() - start
     placed = [exp.inputs.feeder.place(exp.inputs.train.batch(i))[0] for i in range(batches)]
-    step = compile_step(cfg, mesh=exp.mesh, element_spec=exp.inputs.element_spec, variant=variant)
+    step = _compiled(exp.step, variant)
     state, exp.state = exp.state, None  # donated to the steps
     return Running(exp, step, state, placed, stop.make_flags(exp.mesh, 0), build_s)
 

@@ -48,10 +48,15 @@ def _creatable(key: str, path: Path) -> None:
         raise ConfigError(key, f"{path} is not writable")
 
 
+def uses_checkpoints(cfg: Config) -> bool:
+    """Whether the run saves checkpoints (periodically, or at the end of a resumable run)."""
+    return bool(cfg.checkpoint.every or cfg.checkpoint.resume == "auto")
+
+
 def check_paths(cfg: Config) -> None:
     """The workdir, and the checkpoint folder when checkpoints are used, exist as directories."""
     _creatable("workdir", Path(cfg.workdir))
-    if cfg.checkpoint.every or cfg.checkpoint.resume == "auto":
+    if uses_checkpoints(cfg):
         _creatable("checkpoint.dir" if cfg.checkpoint.dir else "workdir", Path(cfg.checkpoint_dir))
 
 
@@ -123,6 +128,6 @@ def open_checkpoints(cfg: Config, codec: Codec = IDENTITY) -> Checkpointer | Non
             ]:
                 _remove(path)
         _sync("meshpar_fresh_run")
-    if not (cfg.checkpoint.every or cfg.checkpoint.resume == "auto"):
+    if not uses_checkpoints(cfg):
         return None
     return Checkpointer(directory, cfg.checkpoint.every, cfg.checkpoint.keep, codec=codec)

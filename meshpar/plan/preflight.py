@@ -112,12 +112,12 @@ def check_analytic(step: parts.AbstractStep) -> Verdict:
     breakdown = memory.analytic(step)
     # Out of the model's scope its exact categories (state, batches) still bound the need from below.
     if in_scope(step):
-        needed, by = breakdown.total, "analytic total"
+        needed, by = breakdown.total, ""
     else:
         needed, by = sum(breakdown.categories.get(c, 0) for c in breakdown.exact), "state and batches alone"
     if needed > capacity.usable_bytes:
-        raise refusal(step, needed, breakdown, capacity, by="" if by == "analytic total" else by)
-    return Verdict(breakdown, capacity, needed, by)
+        raise refusal(step, needed, breakdown, capacity, by=by)
+    return Verdict(breakdown, capacity, needed, by or "analytic total")
 
 
 def check_compiled(step: parts.AbstractStep, programs: Programs, verdict: Verdict) -> Verdict:

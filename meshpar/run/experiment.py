@@ -76,15 +76,9 @@ def _check_data(cfg: Config, inputs: inputs_lib.Inputs) -> None:
         raise ConfigError(model.key("num_classes"), f"{model.num_classes} but the data has {num_classes} classes")
 
 
-def built(cfg: Config) -> tuple[parts.AbstractStep, inputs_lib.Inputs, dict]:
-    """The config built once: (the step, the run's inputs, the record its checkpoints keep).
-    With ``offload.unified_memory`` the variables it needs are set before jax's backend starts,
-    and checked once it has (:mod:`meshpar.backend.unified_memory`)."""
-    env = unified_memory.set_up(cfg.offload)  # before jax's backend starts (make_mesh starts it)
-    compile_cache.configure(cfg.compile_cache)  # before the first compilation
-    mesh = parts.make_mesh(cfg)
-    if env is not None:
-        unified_memory.check(env, mesh)  # the variables took effect on this process's devices
+def built(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[parts.AbstractStep, inputs_lib.Inputs, dict]:
+    """The config built once on `mesh`: (the step, the run's inputs, the record its checkpoints
+    keep)."""
     layout = parts.make_layout(cfg, mesh)
     inputs = inputs_lib.build(cfg, mesh, layout)
     _check_data(cfg, inputs)
@@ -116,8 +110,15 @@ def build(cfg: Config) -> Experiment:
     pre-flight (:func:`_judged`) → sharded state (fresh: random, or checkpoint.init_from's
     weights; or from a checkpoint). Resuming a run whose schedule horizon differs from this
     config's (``--resume train.steps=<more>``) builds the train step for the restored horizon:
-    that one compiles at its first call."""
-    step, inputs, record = built(cfg)
+    that one compiles at its first call. With ``offload.unified_memory`` the variables it needs
+    are set before jax's backend starts, and checked once it has
+    (:mod:`meshpar.backend.unified_memory`)."""
+    env = unified_memory.set_up(cfg.offload)  # before jax's backend starts (make_mesh starts it)
+    compile_cache.configure(cfg.compile_cache)  # before the first compilation
+    mesh = parts.make_mesh(cfg)
+    if env is not None:
+        unified_memory.check(env, mesh)  # the variables took effect on this process's devices
+    step, inputs, record = built(cfg, mesh)
     plan = step.plan
     origin = init_from.open_source(cfg, plan.abstract.params)  # checked before anything is allocated
     compiled = _judged(step)

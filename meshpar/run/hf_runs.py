@@ -34,6 +34,7 @@ from meshpar.hf import export, files, names, writer
 from meshpar.hf import load as hf_load
 from meshpar.run import experiment, init_from
 from meshpar.run import resume as resume_lib
+from meshpar.step import parts
 
 
 @dataclasses.dataclass
@@ -57,7 +58,7 @@ def from_hf(cfg: Config, hf_dir: str | Path, workdir: str | Path) -> FromHF:
     checkpoint = dataclasses.replace(cfg.checkpoint, dir="", resume="never", overwrite=False)
     cfg = dataclasses.replace(cfg, workdir=str(workdir), checkpoint=checkpoint)
     source = hf_load.open(hf_dir, cfg.model)
-    step, _, record = experiment.built(cfg)
+    step, _, record = experiment.built(cfg, parts.make_mesh(cfg))
     with files.new_folder(workdir, "workdir") as tmp:
         params, report = source.load(step.plan.abstract.params, step.plan.shardings.params)
         state = init_from.fresh_state(params, step.plan, step.tx, cfg.train.seed)

@@ -87,7 +87,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
     if shape != dict(cfg.mesh):  # a -1 axis has its size now: the config's own checks skipped it
         config_lib.check_batch_size(cfg, shape)
         config_lib.check_pipeline(cfg, shape)
-    return layout_for(cfg, dict(mesh.shape))
+    return layout_for(cfg, shape)
 
 
 def layout_for(cfg: Config, axis_sizes: dict[str, int]) -> layout_lib.Layout:
@@ -224,15 +224,15 @@ class AbstractStep:
     def with_optimizer(self, tx: optax.GradientTransformation) -> AbstractStep:
         """The same parts with the train step built for another optimizer (a resumed run's
         schedule horizon)."""
-        step = train_step(self.cfg, self.mesh, self.layout, self.plan, tx, self.batch_shardings)
+        step = train_step(self.cfg, self.family, self.mesh, self.layout, self.plan, tx, self.batch_shardings)
         return dataclasses.replace(self, step=step, tx=tx)
 
 
-def train_step(cfg: Config, mesh, layout, plan: trainer.StatePlan, tx, batch_shardings: dict):
+def train_step(cfg: Config, family: models.Family, mesh, layout, plan: trainer.StatePlan, tx, batch_shardings: dict):
     """The jitted train step of these parts (:func:`meshpar.step.trainer.make_train_step`)."""
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
-        cfg.offload.activations, activation_names=models.family(cfg.model.name).kept_activations(cfg.offload.activations),
+        cfg.offload.activations, activation_names=family.kept_activations(cfg.offload.activations),
         schedule=plan.schedule,
     )  # fmt: skip
 
@@ -249,7 +249,7 @@ def assemble(
     already, with the batch's shardings (a run's, or :func:`meshpar.step.inputs.batch_shardings`)."""
     family = models.family(cfg.model.name)
     tx, plan = plan_model(cfg, family, mesh, layout, element_spec, decay_steps)
-    step = train_step(cfg, mesh, layout, plan, tx, batch_shardings)
+    step = train_step(cfg, family, mesh, layout, plan, tx, batch_shardings)
     evaluate = trainer.make_eval_step(
         plan.graphdef, layout, mesh, plan.shardings.params, batch_shardings, plan.schedule
     )

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from meshpar.checkpoints import integrity
+from meshpar.checkpoints import integrity, rundir
 from meshpar.configuration import errors
 from meshpar.configuration.config import Config
 from meshpar.sharding import mesh as mesh_lib
@@ -21,11 +21,6 @@ from meshpar.step import parts
 def runs_eval(cfg: Config) -> bool:
     """Whether the run evaluates (``train.eval_every`` > 0)."""
     return cfg.train.eval_every > 0
-
-
-def saves(cfg: Config) -> bool:
-    """Whether the run saves checkpoints (periodically, or at the end of a resumable run)."""
-    return bool(cfg.checkpoint.every or cfg.checkpoint.resume == "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +53,17 @@ def compile_train(step: parts.AbstractStep) -> jax.stages.Compiled:
     return _compile(step.lower, "train step", step)
 
 
-def compile_all(step: parts.AbstractStep, train: jax.stages.Compiled | None = None) -> Programs:
-    """Every program the step's run executes, compiled once (`train`: the train step, when
-    compiled already)."""
+def compile_all(step: parts.AbstractStep) -> Programs:
+    """Every program the step's run executes, compiled once."""
     state, batch, _ = step.args
     cfg = step.cfg
     evaluate = (
         _compile(lambda: step.eval_step.lower(state.params, batch), "eval step", step) if runs_eval(cfg) else None
     )
     leaves = jax.tree.leaves(state)
-    digest = _compile(lambda: integrity.digest_program(leaves), "checkpoint digest", step) if saves(cfg) else None
-    return Programs(train or compile_train(step), evaluate, digest)
+    digest = (
+        _compile(lambda: integrity.digest_program(leaves), "checkpoint digest", step)
+        if rundir.uses_checkpoints(cfg)
+        else None
+    )
+    return Programs(compile_train(step), evaluate, digest)
