@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="experiment YAML, e.g. experiments/quickstart.yaml")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON here")
     parser.add_argument("--topology", metavar="NAME", help="machine to predict time on (e.g. h100-sxm-8, cpu-sim)")
+    parser.add_argument("--nodes", type=int, metavar="N", help="with --topology: N nodes of that machine (a cluster)")
+    parser.add_argument("--network", metavar="NAME", help="with --nodes: the network between them (e.g. ndr-ib)")
     parser.add_argument("--compare-feeding", action="store_true", help="routed vs direct placement, 1 MiB to 1 GiB")
     parser.add_argument("--png", metavar="PATH", help="with --compare-feeding: also draw it here")
     parser.add_argument("--search", action="store_true", help="rank every mesh and layout that fits by predicted time")
@@ -54,6 +56,8 @@ def _mode(args) -> str:
     """The mode the flags pick (``search``, ``out-of-core``, ``feeding`` or ``plan``); a flag
     without its mode, two modes at once, or a mode without the machine it needs is a
     :class:`ConfigError` naming the flag."""
+    if (args.nodes is not None or args.network) and not args.topology:
+        raise ConfigError("--nodes" if args.nodes is not None else "--network", "clusters a machine: add --topology NAME")
     if args.search or args.write or args.top is not None:
         if not args.search:
             raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "out-of-core":
             return modes.compare_out_of_core(cfg, args)
         if mode == "feeding":
-            return modes.compare_feeding(cfg, modes.machine(cfg, args.topology), args.png)
+            return modes.compare_feeding(cfg, modes.machine(cfg, args.topology, args.nodes, args.network), args.png)
         planned = modes.plan(cfg, args)
     except Exception as e:  # noqa: BLE001 - errors.report re-raises what it does not report
         return errors.report(e)

@@ -18,7 +18,7 @@ import numpy as np
 
 from meshpar.backend.allocator import allocator_fraction
 from meshpar.configuration.config import Config, ConfigError
-from meshpar.plan.time import feed_time
+from meshpar.plan.time import feed_time, nccl
 from meshpar.step import inputs
 
 GIB = 1 << 30
@@ -197,21 +197,33 @@ def axis_link(topo, mesh_shape: Mapping[str, int], axes):
     """The link a collective over `axes` (a name, ``"a,b"``, or a sequence) runs on: over
     several axes, the slowest of theirs."""
     names = axes.split(",") if isinstance(axes, str) else list(axes)
+    whole = topo.axis_link(dict(mesh_shape), ",".join(names))
+    if whole.span is not None:  # a group across nodes: priced whole, as NCCL lays its rings over the nodes
+        return whole
     links = [topo.axis_link(dict(mesh_shape), a) for a in names]
     return min(links, key=lambda link: (link.bandwidth, -link.latency))
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, link, executions: int = 1) -> float:
     """Seconds of `executions` collectives of `kind` moving `nbytes` per device each over `n`
-    devices on `link`: from the link's measured NCCL curve where its file gives one
-    (:class:`meshpar.plan.time.kernels.Curve`), else as a ring (see docs/planning.md)."""
+    devices on `link`: across nodes as NCCL runs it there (:mod:`meshpar.plan.time.nccl`), from
+    the link's measured NCCL curve where its file gives one (:class:`meshpar.plan.time.kernels.Curve`),
+    else as a ring (see docs/time-model.md)."""
     if n <= 1:
         return 0.0
+    factor, steps = ring(kind, n)
+    as_ring = nbytes * factor / link.bandwidth + link.latency * steps
+    if getattr(link, "span", None) is not None:
+        return executions * nccl.seconds(kind, nbytes, link.span, (factor, steps), ring(kind, link.span.nodes)[1])
     curve = getattr(link, "curve", None)
     if curve is not None:
-        return executions * curve.seconds_of(kind, nbytes, n)
-    factor, steps = ring(kind, n)
-    return executions * (nbytes * factor / link.bandwidth + link.latency * steps)
+        measured = curve.seconds_of(kind, nbytes, n)
+        # An all-reduce curve may run faster than a ring (NVLink SHARP reduces in the switch);
+        # all-gather and reduce-scatter run as rings (NVIDIA/nccl-tests#212, NCCL's team: ~370
+        # GB/s ring bus bandwidth on H100 NVLink, ~480 GB/s for the NVLS all-reduce), so the
+        # link's ring bounds them.
+        return executions * (max(measured, as_ring) if kind in ("all-gather", "reduce-scatter") else measured)
+    return executions * as_ring
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import shlex
 
@@ -15,23 +16,34 @@ from meshpar import models
 from meshpar.backend import compile_cache
 from meshpar.configuration import errors
 from meshpar.configuration.config import ConfigError
-from meshpar.plan import cost, gpu_target, topology
+from meshpar.plan import cluster, cost, gpu_target, topology
 from meshpar.plan import report as report_lib
 from meshpar.plan.out_of_core import comparison as out_of_core
 from meshpar.plan.pricing import Priced, price
 from meshpar.plan.search import layouts as search_lib
 from meshpar.plan.search import search_report
 from meshpar.plan.time import feed_time, time_report, timing
+from meshpar.sharding import mesh as mesh_lib
 from meshpar.step import parts, programs
 
 
-def machine(cfg, name: str):
-    """The named machine; for ``cpu-sim``, this host measured over the config's mesh's devices
-    (started first, as a run would start them)."""
-
-    if name == topology.CPU_SIM:
+def machine(cfg, name: str, nodes: int | None = None, network: str | None = None):
+    """The named machine, as `nodes` of it on `network` when `nodes` is given
+    (:func:`meshpar.plan.cluster.machine`); for ``cpu-sim``, this host measured over the
+    config's mesh's devices (started first, as a run would start them)."""
+    if name == topology.CPU_SIM and nodes is None and network is None:
         return topology.load(name, devices=parts.make_mesh(cfg).size)
-    return topology.load(name)
+    topo = cluster.machine(name, nodes, network)
+    if nodes is not None:  # a multi-process run's mesh takes every device of every node
+        axes = mesh_lib.parse_mesh(cfg.mesh) if isinstance(cfg.mesh, str) else tuple(cfg.mesh)
+        try:
+            size = math.prod(n for _, n in mesh_lib.resolve(axes, topo.num_devices))
+        except mesh_lib.MeshError as e:
+            raise ConfigError("--nodes", f"{nodes} nodes of {name}: {e}") from None
+        if size != topo.num_devices:
+            raise ConfigError("--nodes", f"{nodes} nodes of {name} are {topo.num_devices} devices; the config's mesh "
+                                         f"takes {size} (a run of one process per node uses every device)")  # fmt: skip
+    return topo
 
 
 def write(path: str, text: str) -> None:
@@ -72,7 +84,7 @@ def search(cfg, args, argv: list[str]) -> int:
 
     if args.top is not None and args.top < 0:
         raise ConfigError("--top", f"compiles that many layouts: a count >= 0, got {args.top}")
-    topo = machine(cfg, args.topology or topology.CPU_SIM)
+    topo = machine(cfg, args.topology or topology.CPU_SIM, args.nodes, args.network)
     console = Console(width=max(Console().width, 200))
     with Console(stderr=True).status("searching") as status:
         result = search_lib.search(cfg, topo, topo.num_devices, search_lib.TOP_K if args.top is None else args.top,
@@ -105,7 +117,7 @@ def _batch_sizes(cfg, text: str) -> list[int]:
 def compare_out_of_core(cfg, args) -> int:
     """Print (and write as JSON) every way past the device's memory, per batch size on the
     named machine (:mod:`meshpar.plan.out_of_core.comparison`), and with ``--layer`` one layer's figures."""
-    topo = machine(cfg, args.topology)
+    topo = machine(cfg, args.topology, args.nodes, args.network)
     sizes = out_of_core.batch_sizes(cfg, args.batch_sweep or "")
     target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
     with compile_cache.suspended(target.compile_only):
@@ -154,7 +166,7 @@ def plan(cfg, args) -> Planned:
     written as JSON to ``--json``."""
     topo = sizes = None
     if args.topology:
-        topo = machine(cfg, args.topology)  # an unknown name fails before anything compiles
+        topo = machine(cfg, args.topology, args.nodes, args.network)  # an unknown name fails before anything compiles
         sizes = None if args.offload_sweep is None else _batch_sizes(cfg, args.offload_sweep)  # so does this
     target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
     with compile_cache.suspended(target.compile_only):

@@ -31,6 +31,7 @@ from input_pipeline.feeding import DirectFeeder, RoutedFeeder
 from meshpar.configuration.schema import ConfigError, is_number, parse_yaml
 from meshpar.plan import cost
 from meshpar.plan.time import kernels as kernels_lib
+from meshpar.plan.time import nccl
 
 DIR = pathlib.Path(__file__).parent / "topologies"
 CPU_SIM = "cpu-sim"
@@ -58,6 +59,9 @@ class Link:
     # NCCL's measured all-reduce times over this link (its file's ``allreduce_us``), which price
     # its collectives (meshpar.plan.time.kernels); None: the ring model from bandwidth and latency.
     curve: kernels_lib.Curve | None = None
+    # A group that spans nodes (kind "network"): how it lies over them, which prices its
+    # collectives as NCCL runs them across nodes (meshpar.plan.time.nccl).
+    span: nccl.Span | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +160,7 @@ class Topology:
     # attention, memory-bound kernels, the fixed cost per kernel. None (cpu-sim): each op priced
     # at the roofline of the measured rates.
     kernels: kernels_lib.KernelCosts | None = None
+    network: str = ""  # the network between nodes (meshpar/plan/networks/), or the node kind's default
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of one device for matmuls in `dtype`. ``float32`` is what XLA runs a float32
@@ -196,8 +201,11 @@ class Topology:
         groups = moved.reshape(-1, math.prod(mesh_shape[a] for a in axes))
         if self.hosts > 1 and self.node_link is not None:
             per_host = self.num_devices // self.hosts  # devices are numbered host by host
-            if any(len({int(d) // per_host for d in g}) > 1 for g in groups):
-                return self.node_link  # a ring that leaves a host runs at the network's rate
+            nodes = max(len({int(d) // per_host for d in g}) for g in groups)
+            if nodes > 1:  # priced as NCCL runs it across nodes; its share: per_node devices' worth of the cards
+                per_node = max(len(groups[0]) // nodes, 1)
+                span = nccl.Span(nodes, per_node, self.node_link.bandwidth * per_node, link.bandwidth)
+                return Link(span.bus_bps, nccl.RING_NET_S, "network", None, span)
         if link.kind in ("nvlink", "memcpy") or self.uplink is None:
             return link
         worst = 0
@@ -279,7 +287,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         raise ConfigError(KEY, f"{where}: expected a mapping")
     known = {"name", "description", "num_devices", "peak_tflops", "efficiency", "memory_gib", "device_memory_gbps",
              "host_memory", "host_link", "host_groups", "uplink", "device_link", "relay_fanout",
-             "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory", "kernels"}  # fmt: skip
+             "placement_overhead_us", "hosts", "node_link", "gpu", "unified_memory", "kernels", "network"}  # fmt: skip
     _known_keys(spec, known, where)
     n = int(_positive(spec, "num_devices", where))
     hosts = int(_positive(spec, "hosts", where)) if "hosts" in spec else 1
@@ -326,6 +334,7 @@ def from_dict(spec: dict, where: str = "topology") -> Topology:
         placement_overhead=tuple(float(overhead.get(m, 0.0)) * 1e-6 for m in ("direct", "routed")),
         page_bytes=int(page), fault_s=fault,
         kernels=None if spec.get("kernels") is None else kernels_lib.parse(spec["kernels"], f"{where}.kernels"),
+        network=str(spec.get("network") or ""),
     )  # fmt: skip
 
 
