@@ -161,6 +161,72 @@ def memory_analysis(compiled: Any) -> Any:
     return stats[0] if isinstance(stats, (list, tuple)) else stats
 
 
+@dataclasses.dataclass(frozen=True)
+class OptionRefusal:
+    """Why XLA refuses a compile option (a field of its ``DebugOptions``, set by name)."""
+
+    known: bool  # False: no DebugOptions field has that name in this jaxlib
+    expects: str  # the kind of value the field takes ("bool", "int32", "int64", "float", "enum", ...), or ""
+    text: str  # XLA's own message, one line
+
+
+# A module that compiles in a few milliseconds; the options are applied before it compiles.
+_PROBE_MODULE = (
+    "module @meshpar_option_probe { func.func public @main(%arg0: tensor<f32>) -> tensor<f32> "
+    "{ return %arg0 : tensor<f32> } }"
+)
+# Dump no module, whatever a probed option asks (no module's name matches).
+_NO_DUMPS = (("xla_dump_hlo_module_re", "^$"), ("xla_dump_max_hlo_modules", 0), ("xla_enable_dumping", False))
+_NOT_VALID = re.compile(r"'.*' is not a valid (\w+) value")
+
+
+def xla_option_refusals(options: Any) -> dict[str, OptionRefusal | None]:
+    """For each ``name -> value`` of `options`, XLA's refusal to compile with
+    ``compiler_options={name: value}`` (None where it takes it), without starting jax's backends:
+    a trivial module is compiled on a CPU client of its own, which jax never sees (so a config can
+    be checked before ``jax.distributed.initialize`` and the unified-memory variables). XLA reads
+    compile options into its DebugOptions the same way on every backend, so a GPU flag is checked
+    here as the GPU compile will read it.
+
+    Public API to move to: none in jax 0.10 or 0.12 (jax exposes no list of DebugOptions fields,
+    and every public way to compile starts its backends).
+    """
+    from jax._src.interpreters import mlir  # private: see above
+    from jax._src.lib import _jax, xla_client
+    from jax._src.lib.mlir import ir
+
+    client = xla_client.make_cpu_client()
+    devices = _jax.DeviceList(tuple(client.devices()[:1]))
+
+    def refused(module, overrides: list) -> OptionRefusal | None:
+        compile_options = xla_client.CompileOptions()
+        try:
+            compile_options.env_option_overrides = overrides
+            client.compile_and_load(module, executable_devices=devices, compile_options=compile_options)
+        except Exception as e:  # noqa: BLE001 (XLA's refusal, or a value the binding cannot convert)
+            return _refusal(overrides[0][0], " ".join(str(e).split()))
+        return None
+
+    with mlir.make_ir_context():
+        module = ir.Module.parse(_PROBE_MODULE)
+        # Each option is set, then checked, then overridden so that nothing is dumped (xla_dump_to
+        # names a folder, xla_dump_hlo_as_text prints): by the overrides this jaxlib has.
+        quiet = [o for o in _NO_DUMPS if refused(module, [o]) is None]
+        out = {name: refused(module, [(name, value), *quiet]) for name, value in options.items()}
+        del module  # before its context closes
+    return out
+
+
+def _refusal(name: str, text: str) -> OptionRefusal:
+    """XLA's message on refusing the compile option `name`, read: ``No such compile option: 'x'``
+    or ``While setting option x, '3' is not a valid bool value.``"""
+    text = text.removeprefix("INVALID_ARGUMENT: ")
+    if f"No such compile option: '{name}'" in text:
+        return OptionRefusal(False, "", text)
+    found = _NOT_VALID.search(text)
+    return OptionRefusal(True, found.group(1) if found else "", text)
+
+
 def register_before_thread_shutdown(hook: Callable[[], Any]) -> bool:
     """Run `hook` at interpreter exit before ``concurrent.futures`` refuses new work and before
     non-daemon threads are joined (what an asynchronous save needs to finish: its writes are

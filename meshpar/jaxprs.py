@@ -190,6 +190,25 @@ def tag_of(eqn) -> str | None:
     return eqn.params["name"] if op(eqn) == "name" else None
 
 
+def tags_made(jaxpr) -> dict[str, int]:
+    """``checkpoint_name`` tag -> how many times `jaxpr` (and the jaxprs nested in it) computes
+    the value it tags: a tag on a value its own jaxpr makes counts, one on a value handed in
+    (a saved residual, through relabellings) does not. Loop bodies count once."""
+    found: dict[str, int] = {}
+    for inner in nested(jaxpr):
+        producer = {v: e for e in inner.eqns for v in e.outvars}
+        for eqn in inner.eqns:
+            tag = tag_of(eqn)
+            if tag is None:
+                continue
+            v = eqn.invars[0]
+            while v in producer and is_relabel(producer[v]) and not is_literal(producer[v].invars[0]):
+                v = producer[v].invars[0]
+            if v in producer:
+                found[tag] = found.get(tag, 0) + 1
+    return found
+
+
 def matmul_flops(eqn) -> tuple[float, bool]:
     """(FLOPs, has batch dims) of a dot_general: 2 × output elements × contracted elements;
     (0, False) for any other equation."""

@@ -229,7 +229,7 @@ def _compiled(parts, variant: Callable[[Any], Any] | None) -> CompiledStep:
     if variant is not None:
         parts = dataclasses.replace(parts, step=variant(parts))
     start = time.perf_counter()
-    compiled = parts.lower().compile()
+    compiled = parts.compile()  # with the config's XLA flags, as the run compiles it
     return CompiledStep(parts, compiled, time.perf_counter() - start)
 
 

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     for extra, cfg in zip(rows, cfgs):
         try:
             step = parts.abstract_step(cfg)
-            figures = aot.memory(step.lower().compile())
+            figures = aot.memory(step.compile())
         except ConfigError as e:
             print(f"config error: {' '.join(extra)}: {e}", file=sys.stderr)
             return 2

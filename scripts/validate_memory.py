@@ -350,7 +350,7 @@ def measure(path: str, overrides: list[str], beyond: bool = False) -> dict:
         row["beyond_scope"] = reason
     step = parts.abstract_step(cfg)
     plan = memory.analytic(step)
-    xla = aot.memory(step.lower().compile())
+    xla = aot.memory(step.compile())
     by_label: dict[str, int] = {}  # saved activations by checkpoint_name tag (else the op that makes them)
     for r in trace.saved_activations(step):
         by_label[r.label] = by_label.get(r.label, 0) + r.total
@@ -366,7 +366,7 @@ def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
     against the analytic model for that platform and lowering: ``{"compiled_for", "lowerings":
     {lowering: {"analytic", "step_total_bytes", "xla", "compare", "gemm_calls"}}}``; ``{"n/a": why}``
     when the mesh does not fit the machine, ``{"out_of_scope": why}``, or ``{"error": why}`` (a miss)."""
-    from meshpar.backend import compile_cache
+    from meshpar.backend import compile_cache, xla_flags
     from meshpar.configuration import config
     from meshpar.plan import gpu_target, topology
     from meshpar.plan.memory import analytic as memory
@@ -393,10 +393,11 @@ def measure_gpu(path: str, overrides: list[str], name: str) -> dict:
         step = parts.abstract_step(cfg, devices=target.devices)
         lowered = step.lower()
         out = {"compiled_for": target.compiled_for, "lowerings": {}}
-        for lowering, options in LOWERINGS.items():
+        for lowering, lowering_options in LOWERINGS.items():
+            options = {**step.compiler_options, **lowering_options}  # the config's XLA flags, then the lowering's
             plan = memory.analytic(step, compiler_options=options)  # the matmuls' lowering follows the options
             with compile_cache.suspended():  # a compile-only client cannot load cached programs back
-                compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+                compiled = xla_flags.compile(lowered, options)
             text = compiled.as_text()
             calls = {k: sum(text.count(m) for m in marks) for k, marks in GEMM_MARKS.items()}
             xla = aot.memory(compiled)

@@ -1,7 +1,7 @@
 """The step-time model against published GPU measurements: predicted vs measured, per row.
 
-    python scripts/validate_published.py [--published DIR] [--sample N] [--groups N] [--memory] [--search]
-        [--json out.json]
+    python scripts/validate_published.py [--published DIR] [--no-vtrain] [--sample N] [--groups N] [--memory]
+        [--search] [--json rows.json] [--details all.json]
 
 Rows (``DIR``: ``$MESHPAR_PUBLISHED``, else the ``published/`` folder beside the repository's
 parent, as the development set is laid out; see its README for every source):
@@ -12,9 +12,10 @@ parent, as the development set is laid out; see its README for every source):
   ``model.remat: full``, mesh ``data:D,stage:P,model:T``, layout ``batch:data; heads:model;
   d_ff:model; vocab:model; layers:stage``, ``train.microbatches`` = global / (micro × D), planned
   on ``a100-sxm-8``.
-* ``jax_h100_dev.csv``: MaxText and Paxml steps on H100 SXM: the same model, shapes, batch,
-  FSDP/DP split, remat (``dots`` for MaxText's ``minimal_flash`` and Paxml's ``SAVE_DOT_ONLY``)
-  and attention, planned on ``h100-sxm-8`` or ``h100-sxm-2x8``.
+* ``jax_gpu_*.csv``: MaxText and Paxml steps on H100 and A100 clusters of 1 to 32 nodes, each row
+  its model, batch, FSDP/DP split, remat policy by the framework's name, attention, XLA flags and
+  cluster (node kind × nodes × network): :mod:`published_jax`. Rows meshpar cannot plan yet
+  (FP8 matmuls) are listed with the reason.
 
 Each row's train step is compiled by XLA's GPU compiler for its machine, deviceless (the
 ``gpu-plan`` extra), and priced by :func:`meshpar.plan.time.timing.predict`; the compiled HLO is
@@ -24,9 +25,12 @@ program-building sources), so a rerun after a change to the time model alone com
 Printed: per row measured and predicted; per source the MAPE, the share within 10% and the
 signed mean; per model group (same GPUs, hidden, layers, global batch; ≥ 5 rows selected) the
 Spearman rank correlation of predicted and measured, and how much slower than the group's
-fastest the predicted best measured. Exit 1 below the targets — MAPE ≤ 15% on the JAX rows and
-≤ 20% on the vTrain rows, Spearman ≥ 0.9 in every group, the predicted best within 10% of the
-fastest — 2 on bad input (a file or column missing), one line.
+fastest the predicted best measured; per weak-scaling series (same work per GPU, growing node
+count) the growth from the fewest nodes to the most, measured and predicted. Exit 1 below the
+targets — MAPE ≤ 10% on the JAX rows (bf16), each series' predicted growth within 5 points of the
+measured, MAPE ≤ 20% on the vTrain rows, Spearman ≥ 0.9 in every group, the predicted best within
+10% of the fastest — 2 on bad input (a file or column missing), one line. ``--json``: a list of
+``{"id", "measured_s", "predicted_s"}``, null (with ``reason``) where a row is not planned.
 
 ``--sample N``: N vTrain rows drawn at random (seed ``--seed``); ``--groups N``: N whole groups
 of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (as printed, e.g.
@@ -54,10 +58,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import hashlib
 import json
-import math
 import os
 import pathlib
 import random
@@ -65,34 +67,22 @@ import sys
 import time
 
 import common
+import published_jax
 from common import spearman
+from published_jax import InputError, Row
+from published_search import megatron_layout, row_layout, search_group  # noqa: F401 (the tests use them from here)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGETS = {"jax_mape": 0.15, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10, "memory_within": 0.10}
+TARGETS = {"jax_mape": 0.10, "weak_scaling_points": 0.05, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10,
+           "memory_within": 0.10}  # fmt: skip
 VTRAIN = "vtrain_a100_dev.csv"
-JAX = "jax_h100_dev.csv"
+JAX = "jax_gpu_*.csv"
 VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
                   "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
                   "iteration time (ms)")  # fmt: skip
-JAX_COLUMNS = ("source", "framework", "gpus", "model", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "seq",
-               "global_batch", "precision", "dp", "fsdp", "tp", "pp", "attention", "remat", "scan", "step_s")  # fmt: skip
 GROUP_MIN = 5
 # Megatron pads GPT-2's 50257 tokens to a multiple of 128 (the published set's README).
 MEGATRON_VOCAB = 50304
-
-
-class InputError(Exception):
-    """A published-row file or folder that cannot be read as this script needs it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    source: str  # "vtrain" | "jax"
-    name: str  # one line naming the row
-    group: str  # rows of one model and batch on one machine
-    topology: str
-    config: dict  # the meshpar config (a plain mapping, as a YAML file would hold)
-    measured_s: float
 
 
 def _published_dir(arg: str | None) -> pathlib.Path:
@@ -166,33 +156,9 @@ def vtrain_rows(path: pathlib.Path) -> list[Row]:
     return out
 
 
-def jax_rows(path: pathlib.Path) -> list[Row]:
-    out = []
-    for r in _read(path, JAX_COLUMNS):
-        n = {c: _int(r, c, path.name) for c in ("gpus", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "seq",
-                                                "global_batch", "dp", "fsdp", "tp", "pp")}  # fmt: skip
-        if n["tp"] != 1 or n["pp"] != 1:
-            raise InputError(f"{path.name}: {r['model']}: tp/pp other than 1 are not mapped yet")
-        remat = "dots" if r["remat"] in ("minimal_flash", "save_dot_only", "minimal") else "full"
-        attention = "cudnn" if r["attention"].startswith("cudnn") else "xla"
-        common = {"n_layers": n["layers"], "d_model": n["d_model"], "n_heads": n["heads"], "d_ff": n["d_ff"],
-                  "d_head": n["d_model"] // n["heads"], "vocab_size": n["vocab"], "max_length": n["seq"],
-                  "param_dtype": "float32", "compute_dtype": "bfloat16", "remat": remat, "attention": attention,
-                  "scan_layers": r["scan"] == "on"}  # fmt: skip
-        if r["model"].startswith("llama"):
-            model = {"name": "llama", "n_kv_heads": n["kv_heads"], **common}
-        else:
-            model = {**gpt(n["d_model"], n["heads"], n["layers"], n["seq"], n["vocab"]), **common}
-        hosts = max(n["gpus"] // 8, 1)
-        topo = "h100-sxm-8" if hosts == 1 else f"h100-sxm-{hosts}x8"
-        mesh = [("data", n["dp"]), ("fsdp", n["fsdp"])]
-        layout = (
-            "batch:(data,fsdp)" if n["dp"] > 1 and n["fsdp"] > 1 else "batch:fsdp" if n["fsdp"] > 1 else "batch:data"
-        )
-        cfg = _config(mesh, layout, model, n["seq"], n["global_batch"], 1, "embed:fsdp" if n["fsdp"] > 1 else "")
-        name = f"{r['framework']} {r['model']} {n['gpus']}xH100 dp{n['dp']} fsdp{n['fsdp']}"
-        out.append(Row("jax", name, name, topo, cfg, float(r["step_s"])))
-    return out
+def jax_rows(folder: pathlib.Path) -> list[Row]:
+    """Every row of the folder's ``jax_gpu_*.csv`` files (:mod:`published_jax`)."""
+    return [row for path in sorted(folder.glob(JAX)) for row in published_jax.rows(path)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +177,22 @@ def _program_sources_digest() -> str:
 def _key(row: Row, digest: str) -> str:
     import jax
 
-    text = json.dumps([row.config, row.topology, jax.__version__, digest], sort_keys=True)
+    text = json.dumps([row.config, row.topology, row.nodes, row.network, jax.__version__, digest], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def machine(row: Row):
+    """The row's machine: its node kind, as a cluster of its nodes on its network."""
+    from meshpar.plan import cluster
+
+    return cluster.machine(row.topology, row.nodes, row.network)
+
+
+def row_config(row: Row):
+    """The row's meshpar config."""
+    from meshpar.configuration import config as config_lib
+
+    return config_lib.from_dict(json.loads(json.dumps(row.config)))
 
 
 def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = False) -> tuple[str, float]:
@@ -222,16 +202,14 @@ def compile_hlo(row: Row, cache: pathlib.Path, digest: str, need_memory: bool = 
     import numpy as np
 
     from meshpar.backend import compile_cache
-    from meshpar.configuration import config as config_lib
-    from meshpar.plan import gpu_target, topology
+    from meshpar.plan import gpu_target
     from meshpar.step import aot, parts
 
     path = cache / f"{_key(row, digest)}.hlo"
     if path.is_file() and (not need_memory or path.with_suffix(".xla.json").is_file()):
         return path.read_text(), 0.0
-    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
-    topo = topology.load(row.topology)
-    target = gpu_target.target(topo, cfg.mesh)
+    cfg = row_config(row)
+    target = gpu_target.target(machine(row), cfg.mesh)
     if not target.compile_only:
         raise InputError(target.note or f"{row.topology}: XLA's GPU compiler is not available ({gpu_target.INSTALL})")
     started = time.perf_counter()
@@ -252,15 +230,14 @@ def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
     batches queued outside the step) and XLA's total for the row's compiled step, per device."""
     import numpy as np
 
-    from meshpar.configuration import config as config_lib
-    from meshpar.plan import gpu_target, topology
+    from meshpar.plan import gpu_target
     from meshpar.plan.memory import analytic as memory
     from meshpar.step import parts
 
     compile_hlo(row, cache, digest, need_memory=True)
     xla = json.loads((cache / f"{_key(row, digest)}.xla.json").read_text())["total_bytes"]
-    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
-    target = gpu_target.target(topology.load(row.topology), cfg.mesh)
+    cfg = row_config(row)
+    target = gpu_target.target(machine(row), cfg.mesh)
     spec = {"tokens": ((cfg.data.length + 1,), np.dtype(np.int32))}
     plan = memory.analytic(parts.abstract_step(cfg, devices=target.devices, element_spec=spec))
     c = plan.categories
@@ -269,15 +246,54 @@ def memory_ratio(row: Row, cache: pathlib.Path, digest: str) -> tuple[int, int]:
 
 def predict(row: Row, text: str):
     from meshpar import models
-    from meshpar.configuration import config as config_lib
-    from meshpar.plan import topology
     from meshpar.plan.time import timing
 
-    cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
-    mesh = dict(cfg.mesh)
-    return timing.predict_program(
-        text, mesh, models.traits(cfg.model).compute_dtype, cfg.feed.prefetch, topology.load(row.topology)
-    )
+    cfg = row_config(row)
+    return timing.predict_program(text, dict(cfg.mesh), models.traits(cfg.model).compute_dtype, cfg.feed.prefetch,
+                                  machine(row))  # fmt: skip
+
+
+def price_rows(rows: list[Row], cache: pathlib.Path, digest: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """Each row compiled for its machine and priced, printed as it goes: (priced, failed, skipped:
+    rows meshpar cannot plan yet, with the reason)."""
+    results, failed, skipped = [], [], []
+    print(f"{'row':60s} {'measured':>10s} {'predicted':>10s} {'error':>7s}  compute / collectives (hidden) / kernels")
+    for row in rows:
+        if row.unplannable:
+            skipped.append({"id": row.id, "name": row.name, "reason": row.unplannable})
+            print(f"{row.name:60s} not planned: {row.unplannable}", flush=True)
+            continue
+        try:
+            text, _ = compile_hlo(row, cache, digest)
+            t = predict(row, text)
+        except Exception as e:  # noqa: BLE001 (one row that cannot be planned is reported, the rest go on)
+            failed.append({"id": row.id, "name": row.name, "reason": " ".join(str(e).split())[:300]})
+            print(f"{row.name:60s} cannot be planned: {failed[-1]['reason'][:120]}", flush=True)
+            continue
+        err = (t.total_s - row.measured_s) / row.measured_s
+        results.append({"source": row.source, "id": row.id or row.name, "name": row.name, "group": row.group,
+                        "series": row.series, "nodes": row.nodes, "topology": machine(row).name,
+                        "measured_s": row.measured_s, "predicted_s": t.total_s, "error": err,
+                        "compute_s": t.compute_s, "collective_s": t.collective_s, "hidden_s": t.hidden_s,
+                        "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis, "components": t.components,
+                        "collectives": [{"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "seconds": c.seconds}
+                                        for c in t.collectives]})  # fmt: skip
+        print(f"{row.name:60s} {row.measured_s * 1e3:8.1f}ms {t.total_s * 1e3:8.1f}ms {err:+7.1%}  "
+              f"{t.compute_s * 1e3:.1f} / {t.collective_s * 1e3:.1f} ({t.hidden_s * 1e3:.1f}) / {t.kernels}", flush=True)  # fmt: skip
+    return results, failed, skipped
+
+
+def per_row(rows: list[Row], results: list[dict], unplanned: list[dict]) -> list[dict]:
+    """``[{"id", "measured_s", "predicted_s"}]`` for every row, null with the reason where not planned."""
+    priced = {r["name"]: r["predicted_s"] for r in results}
+    why = {u["name"]: u["reason"] for u in unplanned}
+    out = []
+    for row in rows:
+        entry = {"id": row.id or row.name, "measured_s": row.measured_s, "predicted_s": priced.get(row.name)}
+        if row.name not in priced:
+            entry["reason"] = why.get(row.name, "not planned")
+        out.append(entry)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +303,7 @@ def predict(row: Row, text: str):
 def summarize(results: list[dict]) -> dict:
     """Per source: MAPE, share within 10%, signed mean; per group of ≥ GROUP_MIN rows: Spearman,
     and the predicted best's measured time over the group's fastest − 1."""
-    out = {"sources": {}, "groups": {}}
+    out = {"sources": {}, "groups": {}, "weak_scaling": weak_scaling(results)}
     for source in sorted({r["source"] for r in results}):
         errs = [r["error"] for r in results if r["source"] == source]
         out["sources"][source] = {
@@ -310,6 +326,24 @@ def summarize(results: list[dict]) -> dict:
     return out
 
 
+def weak_scaling(results: list[dict]) -> dict:
+    """Per series of rows with the same work per GPU on growing node counts: the step's growth
+    from the fewest nodes to the most, measured and predicted."""
+    series: dict[str, list[dict]] = {}
+    for r in results:
+        if r.get("series"):
+            series.setdefault(r["series"], []).append(r)
+    out = {}
+    for name, rows in sorted(series.items()):
+        small, large = min(rows, key=lambda r: r["nodes"]), max(rows, key=lambda r: r["nodes"])
+        if small["nodes"] == large["nodes"]:
+            continue
+        out[name] = {"from": small["id"], "to": large["id"],
+                     "measured": large["measured_s"] / small["measured_s"] - 1,
+                     "predicted": large["predicted_s"] / small["predicted_s"] - 1}  # fmt: skip
+    return out
+
+
 def verdict(summary: dict) -> list[str]:
     """The targets missed, one line each (empty: all met)."""
     missed = []
@@ -317,77 +351,16 @@ def verdict(summary: dict) -> list[str]:
         s = summary["sources"].get(source)
         if s and s["mape"] > TARGETS[key]:
             missed.append(f"{source}: MAPE {s['mape']:.1%} above {TARGETS[key]:.0%}")
+    for name, w in summary.get("weak_scaling", {}).items():
+        if abs(w["predicted"] - w["measured"]) > TARGETS["weak_scaling_points"]:
+            missed.append(f"weak scaling {name}: predicted {w['predicted']:+.1%} where {w['measured']:+.1%} was "
+                          f"measured ({w['from']} -> {w['to']}), beyond {TARGETS['weak_scaling_points']:.0%} points")  # fmt: skip
     for name, g in summary["groups"].items():
         if g["spearman"] < TARGETS["spearman"]:
             missed.append(f"{name}: Spearman {g['spearman']:.2f} below {TARGETS['spearman']}")
         if g["best_slower_by"] > TARGETS["best_within"]:
             missed.append(f"{name}: the predicted best measured {g['best_slower_by']:.0%} slower than the fastest")
     return missed
-
-
-# ---------------------------------------------------------------------------------------------
-# The layout search on a group's model and batch
-
-
-def megatron_layout(option, microbatches: int, batch: int, devices: int) -> tuple[int, int, int, int] | None:
-    """A search choice as Megatron's (TP, DP, PP, micro batch), or None where it is not one of
-    Megatron's layouts (FSDP, the batch and the model dims on one axis, or devices left idle)."""
-    sizes = option.sizes
-    dp = math.prod(sizes[a] for a in option.batch)
-    tp = sizes.get("model", 1) if option.model else 1
-    pp = sizes.get("stage", 1) if option.stage else 1
-    if dp * tp * pp != devices or (option.fsdp and dp > 1) or (tp > 1 and "model" in option.batch):
-        return None
-    return tp, dp, pp, batch // (dp * microbatches)
-
-
-def row_layout(row: Row) -> tuple[int, int, int, int]:
-    """A published row's (TP, DP, PP, micro batch), from the meshpar config it became."""
-    mesh = dict(tuple(a.split(":")) for a in row.config["mesh"].split(","))
-    tp, dp, pp = (int(mesh.get(a, 1)) for a in ("model", "data", "stage"))
-    train = row.config["train"]
-    return tp, dp, pp, train["batch_size"] // (dp * train["microbatches"])
-
-
-def _layout_name(key: tuple[int, int, int, int] | None) -> str:
-    return "not one of Megatron's layouts" if key is None else "TP{} DP{} PP{} micro {}".format(*key)
-
-
-def search_group(rows: list[Row]) -> dict:
-    """``python -m meshpar.plan --search`` for a group's model and global batch on its machine,
-    from plain data parallelism (mesh ``data:<GPUs>``, ``batch:data``, one microbatch: no measured
-    layout is the config's own): its recommendation, the group's measured times of that layout
-    (TP, DP, PP) at each micro batch, and the first layout in its ranking measured at its own
-    micro batch, each against the group's fastest."""
-    from meshpar.configuration import config as config_lib
-    from meshpar.plan import topology
-    from meshpar.plan.search import layouts as search
-
-    gpus = int(rows[0].group.split("x")[0])
-    raw = json.loads(json.dumps(rows[0].config))
-    raw.update(mesh=f"data:{gpus}", layout="batch:data", train={**raw["train"], "microbatches": 1})
-    raw.pop("pipeline", None)
-    cfg = config_lib.from_dict(raw)
-    started = time.perf_counter()
-    result = search.search(cfg, topology.load(rows[0].topology), gpus)
-    measured = {row_layout(r): r.measured_s for r in rows}
-    fastest = min(measured.values())
-    ranked = [(r, megatron_layout(r.option, r.cfg.train.microbatches, cfg.train.batch_size, gpus))
-              for r in result.rows if r.fits]  # fmt: skip
-    out = {"group": rows[0].group, "seconds": time.perf_counter() - started, "fastest_s": fastest}
-    if not ranked:
-        return out
-    best, key = ranked[0]
-    same = {k[3]: t for k, t in measured.items() if key is not None and k[:3] == key[:3]}  # by micro batch
-    out.update(recommended=" ".join(best.overrides), recommended_layout=_layout_name(key),
-               recommended_measured_s=measured.get(key), layout_measured={str(m): same[m] for m in sorted(same)},
-               layout_slower_by=min(same.values()) / fastest - 1 if same else None)  # fmt: skip
-    for i, (r, k) in enumerate(ranked):
-        if k in measured:
-            out.update(first_measured=_layout_name(k), first_measured_rank=i + 1,
-                       first_measured_s=measured[k], slower_by=measured[k] / fastest - 1)  # fmt: skip
-            break
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,8 +396,12 @@ def main(argv=None) -> int:
     parser.add_argument("--group", action="append", default=[], help="a whole group by name (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
+    parser.add_argument("--no-vtrain", action="store_true", help="leave vTrain's rows out")
     parser.add_argument("--cache", default=str(ROOT / "runs" / "published-hlo"), help="compiled HLO cache")
-    parser.add_argument("--json", help="write every row and the summary here")
+    parser.add_argument(
+        "--json", help="write [{id, measured_s, predicted_s}] here (null, with the reason, where not planned)"
+    )
+    parser.add_argument("--details", help="write every row's terms, the summary and the targets here")
     parser.add_argument("--memory", action="store_true",
                         help="also the analytic memory plan against XLA's compiled step, per vTrain row")  # fmt: skip
     parser.add_argument("--search", action="store_true",
@@ -434,8 +411,10 @@ def main(argv=None) -> int:
         folder = _published_dir(args.published)
         if not folder.is_dir():
             raise InputError(f"no published rows at {folder} (pass --published DIR or set MESHPAR_PUBLISHED)")
-        vtrain = vtrain_rows(folder / VTRAIN)
-        jax_ = [] if args.no_jax else jax_rows(folder / JAX)
+        vtrain = vtrain_rows(folder / VTRAIN) if (folder / VTRAIN).is_file() and not args.no_vtrain else []
+        jax_ = [] if args.no_jax else jax_rows(folder)
+        if not vtrain and not jax_:
+            raise InputError(f"{folder}: no {VTRAIN} and no {JAX} rows")
     except InputError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
@@ -451,27 +430,8 @@ def main(argv=None) -> int:
         mesh_lib.request_cpu_devices(max((int(r.group.split("x")[0]) for r in rows if r.source == "vtrain"), default=1))
     digest = _program_sources_digest()
     cache = pathlib.Path(args.cache)
-    results, failed = [], []
     started = time.perf_counter()
-    print(f"{'row':52s} {'measured':>10s} {'predicted':>10s} {'error':>7s}  compute / collectives (hidden) / kernels")
-    for row in rows:
-        try:
-            text, _ = compile_hlo(row, cache, digest)
-            t = predict(row, text)
-        except Exception as e:  # noqa: BLE001 (one row that cannot be planned is reported, the rest go on)
-            failed.append({"name": row.name, "error": " ".join(str(e).split())[:300]})
-            print(f"{row.name:52s} cannot be planned: {failed[-1]['error'][:120]}", flush=True)
-            continue
-        err = (t.total_s - row.measured_s) / row.measured_s
-        results.append({"source": row.source, "name": row.name, "group": row.group, "topology": row.topology,
-                        "measured_s": row.measured_s, "predicted_s": t.total_s, "error": err,
-                        "compute_s": t.compute_s, "collective_s": t.collective_s, "hidden_s": t.hidden_s,
-                        "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis,
-                        "components": t.components,
-                        "collectives": [{"kind": c.kind, "axis": c.axis, "bytes": c.bytes, "seconds": c.seconds}
-                                        for c in t.collectives]})  # fmt: skip
-        print(f"{row.name:52s} {row.measured_s * 1e3:8.1f}ms {t.total_s * 1e3:8.1f}ms {err:+7.1%}  "
-              f"{t.compute_s * 1e3:.1f} / {t.collective_s * 1e3:.1f} ({t.hidden_s * 1e3:.1f}) / {t.kernels}", flush=True)  # fmt: skip
+    results, failed, skipped = price_rows(rows, cache, digest)
     if not results:
         print("no row could be planned", file=sys.stderr)
         return 1
@@ -483,6 +443,9 @@ def main(argv=None) -> int:
     for name, g in summary["groups"].items():
         print(f"group {name} ({g['rows']} rows): Spearman {g['spearman']:.2f}, predicted best "
               f"{g['predicted_best']!r} measured {g['best_slower_by']:.1%} slower than the fastest")  # fmt: skip
+    for name, w in summary["weak_scaling"].items():
+        print(f"weak scaling {name}: {w['from']} -> {w['to']}: measured {w['measured']:+.1%}, predicted "
+              f"{w['predicted']:+.1%}")  # fmt: skip
     missed = verdict(summary) + [f"{f['name']}: cannot be planned" for f in failed]
     memories = []
     for row in [r for r in rows if r.source == "vtrain"] if args.memory else ():
@@ -530,9 +493,11 @@ def main(argv=None) -> int:
         + "; ".join(sorted({r["basis"] for r in results}))
     )
     if args.json:
-        out = {"targets": TARGETS, "rows": results, "failed": failed, "summary": summary, "memory": memories,
-               "searches": searches, "missed": missed}  # fmt: skip
-        common.write_json(args.json, out)
+        common.write_json(args.json, per_row(rows, results, failed + skipped))
+    if args.details:
+        out = {"targets": TARGETS, "rows": results, "failed": failed, "skipped": skipped, "summary": summary,
+               "memory": memories, "searches": searches, "missed": missed}  # fmt: skip
+        common.write_json(args.details, out)
     for line in missed:
         print(f"missed: {line}")
     return 1 if missed else 0

@@ -70,7 +70,7 @@ class Runner:
         step = row.step
         self.row = row
         started = time.perf_counter()
-        self.compiled = row.compiled or step.lower().compile()  # the search's own, where it compiled it
+        self.compiled = row.compiled or step.compile()  # the search's own, where it compiled it
         self.compile_s = time.perf_counter() - started
         self.hlo = timing.predict(step, self.compiled, topo, row.estimate.feed_s)
         self.state = step.plan.materialize(step.layout, step.mesh)

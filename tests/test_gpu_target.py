@@ -166,7 +166,8 @@ def test_loop_form_follows_the_target():
     """The quickstart's layer loop is unrolled for XLA:CPU and kept rolled for a GPU: the choice
     follows the devices compiled for, not this host."""
     _need_compiler()
-    cfg = config_lib.load("experiments/quickstart.yaml", [])
+    # XLA's own loop form: the GPU default flags' while-loop double buffering runs two layers per iteration
+    cfg = config_lib.load("experiments/quickstart.yaml", ["xla.gpu_defaults=false"])
     target = gpu_target.target(topology.load("h100-sxm-8"), cfg.mesh)
 
     def layer_loops(step) -> int:  # while loops of the compiled step that run once per layer

@@ -321,6 +321,22 @@ def test_compile_only_device_tells_a_compile_target_from_a_device_that_runs():
     assert not any(jax_compat.compile_only_device(d) for d in jax.devices())
 
 
+def test_xla_option_refusals_name_unknown_fields_and_the_kind_a_field_takes():
+    got = jax_compat.xla_option_refusals({
+        "xla_gpu_enable_latency_hiding_scheduler": True, "xla_disable_hlo_passes": "rematerialization",
+        "xla_gpu_no_such_flag": True, "xla_gpu_all_reduce_combine_threshold_bytes": "many",
+        "xla_gpu_enable_command_buffer": "NOPE",
+    })  # fmt: skip
+    assert got["xla_gpu_enable_latency_hiding_scheduler"] is None and got["xla_disable_hlo_passes"] is None
+    assert not got["xla_gpu_no_such_flag"].known
+    assert (
+        got["xla_gpu_all_reduce_combine_threshold_bytes"].known,
+        got["xla_gpu_all_reduce_combine_threshold_bytes"].expects,
+    ) == (True, "int64")
+    assert got["xla_gpu_enable_command_buffer"].expects == "enum"
+    assert all("\n" not in r.text for r in got.values() if r is not None)
+
+
 @pytest.mark.gpu_target
 def test_a_gpu_compile_target_is_compile_only():
     # Without the client's runtime type this would be False, and a GPU plan would trace the

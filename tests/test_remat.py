@@ -128,7 +128,7 @@ def test_mlp_layers_tag_the_values_they_keep(monkeypatch):
 
     assert "named " not in _saved(loss, params, batch)  # full: nothing kept inside a layer
     # The same model under a policy that keeps one name: every hidden layer keeps that value.
-    monkeypatch.setitem(remat.POLICIES, "full", jax.checkpoint_policies.save_only_these_names("pre_activation"))
+    monkeypatch.setitem(remat.POLICIES, "full", remat.Policy(saves=("pre_activation",)))
     saved = _saved(loss, params, batch)
     assert saved.count("named 'pre_activation'") == len(MLP.hidden), saved
 

@@ -17,8 +17,8 @@ vp = script("validate_published")
 
 
 def test_every_row_becomes_a_valid_config_with_its_layout():
-    rows = vp.vtrain_rows(SLICE / vp.VTRAIN) + vp.jax_rows(SLICE / vp.JAX)
-    assert len(rows) == 13
+    rows = vp.vtrain_rows(SLICE / vp.VTRAIN) + vp.jax_rows(SLICE)
+    assert len(rows) == 15
     for row in rows:
         cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
         config_lib.check(cfg)
@@ -30,9 +30,46 @@ def test_every_row_becomes_a_valid_config_with_its_layout():
     assert cfg.train.microbatches == 4 and cfg.model.remat == "full" and cfg.model.vocab_size == 50304
     pp = config_lib.from_dict(next(r for r in rows if r.name.endswith("TP1 DP1 PP2 micro 1")).config)
     assert dict(pp.mesh) == {"stage": 2} and dict(pp.layout) == {"layers": "stage"} and pp.train.microbatches == 16
-    paxml = config_lib.from_dict(next(r for r in rows if r.source == "jax" and "gpt-5b" in r.name).config)
+    by_id = {r.id: r for r in rows if r.source == "jax"}
+    paxml = config_lib.from_dict(by_id["px01"].config)
     assert dict(paxml.mesh) == {"data": 2, "fsdp": 8} and dict(paxml.layout) == {"batch": ("data", "fsdp")}
-    assert dict(paxml.param_layout) == {"embed": "fsdp"}
+    assert dict(paxml.param_layout) == {"embed": "fsdp"} and paxml.model.remat == "SAVE_DOT_ONLY"
+    assert paxml.model.attention == "cudnn" and paxml.model.tie_embeddings and paxml.model.positions == "learned"
+    # Its cluster: 2 nodes of DGX H100 on their InfiniBand; its flags from its notes.
+    assert (by_id["px01"].topology, by_id["px01"].nodes, by_id["px01"].network) == ("h100-sxm-8", 2, "ndr-ib")
+    flags = paxml.xla.flags
+    assert flags["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 8 << 20
+    assert flags["xla_gpu_all_gather_combine_threshold_bytes"] == 512 << 20
+    assert flags["xla_disable_hlo_passes"] == "rematerialization" and flags["xla_gpu_enable_triton_gemm"] is False
+    # the same work per GPU on 2 and 16 nodes: one weak-scaling series
+    assert by_id["px01"].series == by_id["px02"].series and by_id["px01"].nodes < by_id["px02"].nodes
+    maxtext = config_lib.from_dict(by_id["mx01"].config)
+    assert maxtext.model.name == "llama" and maxtext.model.remat == "minimal_flash" and not maxtext.model.scan_layers
+    assert by_id["mx10"].unplannable.startswith("fp8 matmuls")
+
+
+def test_maxtexts_custom_save_list_and_paxmls_names_are_read_as_the_frameworks_name_them():
+    pj = script("published_jax")
+    assert pj.remat("custom (q/k/v/qkv/out proj + mlpwo saved on device)") == {
+        "remat": "custom",
+        "remat_save": ["query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwo"],
+    }
+    assert pj.remat("paxml default (SAVE_NOTHING)") == {"remat": "SAVE_NOTHING"}
+    assert pj.remat("SAVE_DOT_WITH_NO_BATCH_DIM (GPT5BBase)") == {"remat": "SAVE_DOT_WITH_NO_BATCH_DIM"}
+    # reduce-scatter's threshold by node count, as the recipe sets it
+    notes = "bf16 thresholds: AR=2GiB AG=2GiB RS=32MiB (<64 nodes) or 16MiB (>=64 nodes)."
+    assert pj.flags(notes, 32)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 32 << 20
+    assert pj.flags(notes, 128)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 16 << 20
+
+
+def test_weak_scaling_is_judged_in_points_of_growth():
+    rows = [{"series": "s", "id": "a", "nodes": 2, "measured_s": 1.0, "predicted_s": 0.9},
+            {"series": "s", "id": "b", "nodes": 16, "measured_s": 1.03, "predicted_s": 1.0}]  # fmt: skip
+    w = vp.weak_scaling(rows)["s"]
+    assert (w["from"], w["to"]) == ("a", "b")
+    assert w["measured"] == pytest.approx(0.03) and w["predicted"] == pytest.approx(1.0 / 0.9 - 1)
+    missed = vp.verdict({"sources": {}, "groups": {}, "weak_scaling": {"s": w}})
+    assert len(missed) == 1 and "predicted +11.1% where +3.0% was measured" in missed[0]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +82,7 @@ def test_every_row_becomes_a_valid_config_with_its_layout():
 )
 def test_a_bad_published_file_is_one_line_exit_2(tmp_path, edit, named):
     (tmp_path / vp.VTRAIN).write_text(edit((SLICE / vp.VTRAIN).read_text()))
-    (tmp_path / vp.JAX).write_text((SLICE / vp.JAX).read_text())
+    (tmp_path / "jax_gpu_dev.csv").write_text((SLICE / "jax_gpu_dev.csv").read_text())
     result = subprocess.run([sys.executable, "scripts/validate_published.py", "--published", str(tmp_path)], check=False, cwd=ROOT,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
@@ -101,3 +138,25 @@ def test_search_choices_map_onto_megatrons_layouts_or_none():
     assert vp.megatron_layout(idle, 1, 32, 8) is None  # the model axis computes the same rows twice
     rows = vp.vtrain_rows(SLICE / vp.VTRAIN)
     assert {vp.row_layout(r) for r in rows if r.name.endswith("TP2 DP1 PP1 micro 4")} == {(2, 1, 1, 4)}
+
+
+@pytest.mark.gpu_target
+def test_a_cluster_row_is_planned_on_its_cluster_and_written_as_a_list(tmp_path):
+    # Paxml's GPT-5B on 2 nodes of 8 H100 (data 2 across them, FSDP 8 within), and MaxText's fp8
+    # 70B, which meshpar cannot plan yet: one prediction, one null with its reason.
+    lines = (SLICE / "jax_gpu_dev.csv").read_text().splitlines()
+    folder = tmp_path / "published"
+    folder.mkdir()
+    (folder / "jax_gpu_dev.csv").write_text(
+        "\n".join([lines[0], *(x for x in lines if x.startswith(("px01", "mx10")))])
+    )
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "scripts/validate_published.py", "--published", str(folder), "--cache", str(tmp_path / "hlo"),
+           "--json", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode in (0, 1), result.stderr
+    rows = {r["id"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"px01", "mx10"}
+    assert rows["px01"]["measured_s"] == 0.634 and 0.3 < rows["px01"]["predicted_s"] < 1.2
+    assert rows["mx10"]["predicted_s"] is None and "fp8" in rows["mx10"]["reason"]
+    assert "h100-sxm-8x2" in result.stdout or "px01" in result.stdout

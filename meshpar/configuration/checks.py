@@ -19,6 +19,7 @@ from meshpar import models as models_lib
 from meshpar import sources
 from meshpar.configuration.schema import ConfigError, short
 from meshpar.configuration.sections import Config, OffloadConfig
+from meshpar.models import remat as remat_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import stages as pipeline_lib
 
@@ -109,6 +110,7 @@ def check(cfg: Config) -> None:
     if source.token_windows and model.max_length is not None and cfg.data.length > model.max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
+    _check_remat_save(cfg)
     _check_experts(cfg, dict(cfg.mesh))
     block, attention = model.attention_block, model.attention
     if (
@@ -157,6 +159,19 @@ def _check_offload(cfg: Config) -> None:
             f"{setting} needs a layer loop, but {model.key('scan_unroll')} {model.scan_unroll} unrolls all "
             f"{layers} layers (use 0 or fewer than {layers})",
         )
+
+
+def _check_remat_save(cfg: Config) -> None:
+    """``model.remat_save`` goes with ``model.remat: custom`` (which needs it), and lists only tags
+    the family's layers put on their values (:attr:`meshpar.models.Family.checkpoint_names`)."""
+    model = models_lib.traits(cfg.model)
+    if "remat_save" not in model.keys:
+        return
+    family = models_lib.family(cfg.model.name)
+    tagged = family.checkpoint_names(cfg.model) if family.checkpoint_names is not None else ()
+    problem = remat_lib.check_save(model.remat or "none", model.remat_save, tagged, cfg.model.name)
+    if problem:
+        raise ConfigError(model.key("remat_save"), problem)
 
 
 def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:

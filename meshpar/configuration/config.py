@@ -26,6 +26,7 @@ from meshpar.configuration.sections import (
     PlanConfig,
     ProfileConfig,
     TrainConfig,
+    XlaConfig,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "PlanConfig",
     "ProfileConfig",
     "TrainConfig",
+    "XlaConfig",
     "apply_overrides",
     "build",
     "check",

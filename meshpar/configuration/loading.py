@@ -17,6 +17,7 @@ import yaml
 # `import jax` (see meshpar.sharding.mesh), so the value is reported here in one line.
 from meshpar.sharding import mesh as mesh_lib  # isort: skip
 from meshpar import models as models_lib
+from meshpar.backend import xla_flags
 from meshpar.configuration.checks import check
 from meshpar.configuration.schema import INT32_MAX, ConfigError, build, describe, parse_yaml
 from meshpar.configuration.sections import Config
@@ -70,6 +71,7 @@ def from_dict(raw: Any) -> Config:
         raise ConfigError("param_layout", str(e)) from None
     cfg = dataclasses.replace(cfg, mesh=mesh, layout=layout, param_layout=param_layout, model=_model(special["model"]))
     check(cfg)
+    xla_flags.check(cfg.xla.flags)  # asked of XLA itself, without starting jax's backends
     return cfg
 
 

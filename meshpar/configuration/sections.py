@@ -275,6 +275,22 @@ class CompileCacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    # XLA compiler flags for every program of the run, and for the plan's compiles of them: a
+    # field of XLA's DebugOptions (--xla_... of XLA_FLAGS without the dashes) → its value
+    # (true/false, a number or a string), e.g. xla_gpu_enable_latency_hiding_scheduler: true.
+    # Given to each compile as jax's compiler_options, which win over the same flag in the
+    # environment's XLA_FLAGS. A name the installed jaxlib has no field of, or a value of the wrong
+    # kind, is a config error. GPU flags are accepted on CPU (its compiler ignores them).
+    flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Compiles for a GPU (a GPU run, or the planner's XLA:GPU target) start from NVIDIA
+    # JAX-Toolbox's recommended flags (meshpar.backend.xla_flags.GPU_DEFAULTS, listed with their
+    # sources in docs/running.md), xla.flags overriding them flag by flag; false = XLA's own
+    # defaults. No effect on other platforms.
+    gpu_defaults: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     # Device mesh: "data:4,model:2", or Mesh TensorFlow's "data:4;model:2" (pairs separated by
     # ';', ',', '.' or spaces), or a mapping; one axis may be -1 (= the remaining devices).
@@ -302,6 +318,7 @@ class Config:
     offload: OffloadConfig = OffloadConfig()  # host offload of optimizer state, parameters, activations
     pipeline: PipelineConfig = PipelineConfig()  # the schedule of a stage axis (layers:<axis> in the layout)
     compile_cache: CompileCacheConfig = CompileCacheConfig()  # JAX's persistent compilation cache
+    xla: XlaConfig = XlaConfig()  # XLA compiler flags for the run's programs (and the plan's compiles)
     # Output folder: metrics.jsonl, summary.json, tb/.
     workdir: str = "runs/default"
 

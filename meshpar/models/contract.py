@@ -55,9 +55,11 @@ class Traits:
     # parameters are stored in.
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
-    # Each layer's remat policy (meshpar.models.remat: none | full | dots). None: the model has no
-    # such setting, so the pre-flight and the offload comparison propose no remat change.
+    # Each layer's remat policy (a name of meshpar.models.remat.POLICIES: none, full, dots,
+    # MaxText's and Paxml's names, custom). None: the model has no such setting, so the pre-flight
+    # and the offload comparison propose no remat change.
     remat: str | None = None
+    remat_save: tuple[str, ...] = ()  # remat custom: the tags each layer keeps (Family.checkpoint_names)
     dropout: float = 0.0  # rate; above 0 the memory model says the config is out of its scope
     # The longest token window the model takes (data.length may not exceed it). None: any.
     max_length: int | None = None
@@ -82,7 +84,8 @@ class Traits:
 
     @property
     def remat_on(self) -> bool:
-        """Whether a remat policy recomputes each layer in the backward pass."""
+        """Whether a remat policy wraps each layer in ``jax.checkpoint`` (any but none): the layer's
+        input is kept, and what else the backward reads is its policy's (the planner traces it)."""
         return self.remat not in (None, "none")
 
     def key(self, trait: str) -> str:
@@ -97,8 +100,9 @@ CONVENTIONAL: dict[str, str] = {
     "stack_layers": "n_layers",
     "width": "d_model",
     "experts": "moe_experts",
-    **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "dropout", "max_length", "attention",
-                                  "attention_block", "vocab_size", "num_classes", "scan_layers", "scan_unroll")},
+    **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "remat_save", "dropout", "max_length",
+                                  "attention", "attention_block", "vocab_size", "num_classes", "scan_layers",
+                                  "scan_unroll")},
 }  # fmt: skip
 
 
@@ -131,8 +135,8 @@ class Family:
       compute term in the layout search's estimate.
     * ``tokens_per_example(config, element_spec) -> int`` — for tokens/s; default 1.
     * The planner's parts (each None when not given): ``split_dims``, ``fsdp_dims``,
-      ``activation_all_reduces``, ``num_layers``, ``layer_flops``, ``activation_names``, and
-      ``layout_rules`` (default: no derived rules). See each field's comment.
+      ``activation_all_reduces``, ``num_layers``, ``layer_flops``, ``activation_names``,
+      ``checkpoint_names`` and ``layout_rules`` (default: no derived rules). See each field's comment.
     * ``traits(config) -> Traits`` — the settings other code reads of a config, and the field
       behind each (:class:`Traits`); default: read by the conventional names (:func:`conventional_traits`).
     """
@@ -174,6 +178,10 @@ class Family:
     # memory under that policy (a policy the family does not list does not apply to it). None:
     # offload.activations other than none is a config error, and the planner leaves it out.
     activation_names: dict[str, tuple[str, ...]] | None = None
+    # (config) → the checkpoint_name tags its layers put on the values their backward may read:
+    # the names model.remat: custom may keep (model.remat_save; another is a config error that
+    # lists these), and the docs' list. None: the family names none (remat_save is refused).
+    checkpoint_names: Callable[[Any], tuple[str, ...]] | None = None
     # (config, layout rules on the mesh, mesh axis sizes) → the rules with those the family
     # derives from them added (a dim that follows another where it divides); by default none.
     layout_rules: Callable[[Any, tuple, dict[str, int]], tuple] = _no_rules

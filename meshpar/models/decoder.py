@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshpar.models import attention as attention_lib
 from meshpar.models import kv_cache, layers, moe_stats
 from meshpar.models import moe as moe_lib
-from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm
+from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm, tag
 from meshpar.sharding.layout import constrain, use
 
 EMBED = ("batch", "length", "embed")
@@ -62,7 +62,8 @@ class DecoderConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: str = "none"  # a name of meshpar.models.remat.POLICIES
+    remat_save: tuple[str, ...] = ()  # remat custom: the tags kept (checkpoint_names)
     attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
     attention_block: int = 512
     scan_unroll: int = 0
@@ -92,6 +93,23 @@ def configure(cfg: Any, **switches: Any) -> DecoderConfig:
     fields of family config `cfg` of the same names (a switch given wins over a field of `cfg`)."""
     own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DecoderConfig) if hasattr(cfg, f.name)}
     return DecoderConfig(**{**own, **switches})
+
+
+# The tags a layer puts on its values (the names a remat policy may keep, model.remat_save), in
+# the order it makes them; MaxText's and Paxml's names on the equivalent values (docs/models.md,
+# "Remat policies"). The attention projections' outputs before rotary carry MaxText's fused
+# qkv_proj and Paxml's combined_qkv_proj too: the fused projection, run as three matmuls.
+QKV_PROJ = ("qkv_proj", "combined_qkv_proj")
+ATTENTION_TAGS = ("iteration_input", "decoder_layer_input", "layer_in", "attn_in", *QKV_PROJ, "query_proj",
+                  "key_proj", "value_proj", "query", "key", "value", "context", "out_proj", "attn_out",
+                  "attn_residual", "mlp_in")  # fmt: skip
+MLP_TAGS = {"gelu": ("mlpwi", "mlp_hidden", "mlpwo"), "swiglu": ("mlpwi_0", "mlpwi_1", "mlp_hidden", "mlpwo")}
+
+
+def checkpoint_names(cfg: DecoderConfig) -> tuple[str, ...]:
+    """The ``checkpoint_name`` tags each layer of `cfg` puts on its values (an MoE layer's experts
+    tag the dense MLP's names: :mod:`meshpar.models.moe`)."""
+    return (*ATTENTION_TAGS, *MLP_TAGS[cfg.mlp])
 
 
 MLP_PARAMS = {"gelu": ("w_in", "w_out"), "swiglu": ("w_gate", "w_up", "w_down")}
@@ -217,17 +235,18 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
         return use(p[name], dims[name], dtype)
 
     heads, kv_heads = ("batch", "length", "heads", "kv"), ("batch", "length", cfg.kv_dim, "kv")
-    x = checkpoint_name(x, "layer_in")
+    x = tag(x, "iteration_input", "decoder_layer_input", "layer_in")
     h = checkpoint_name(rms_norm(x, w("attn_norm"), eps), "attn_in")  # [batch, length, embed]
-    q = constrain(dense(h, w("wq", dt)), heads)  # [batch, length, heads, kv]
-    k, v = (constrain(dense(h, w(name, dt)), kv_heads) for name in ("wk", "wv"))
+    q = tag(constrain(dense(h, w("wq", dt)), heads), *QKV_PROJ, "query_proj")  # [batch, length, heads, kv]
+    k, v = (tag(constrain(dense(h, w(name, dt)), kv_heads), *QKV_PROJ, own)
+            for name, own in (("wk", "key_proj"), ("wv", "value_proj")))  # fmt: skip
     if cfg.positions == "rotary":
         inv_freq = jnp.asarray(cfg.rope, jnp.float32)  # [kv/2]
         q, k = layers.rotary(q, inv_freq, positions), layers.rotary(k, inv_freq, positions)
     q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
     o, cache = attend(q, k, v)
     o = checkpoint_name(constrain(o, heads), "context")
-    attn = checkpoint_name(dense(o, w("wo", dt), 2), "attn_out")  # [batch, length, embed]
+    attn = tag(dense(o, w("wo", dt), 2), "out_proj", "attn_out")  # [batch, length, embed]
     x = checkpoint_name(constrain(x + dropout(attn, cfg.dropout, k_attn), EMBED), "attn_residual")
     h = checkpoint_name(rms_norm(x, w("mlp_norm"), eps), "mlp_in")
     stats = None
@@ -236,11 +255,12 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
         stats = moe_stats.factors(stats)
     else:
         if cfg.mlp == "swiglu":
-            f, out = jax.nn.silu(dense(h, w("w_gate", dt))) * dense(h, w("w_up", dt)), "w_down"
+            gate, up = (checkpoint_name(dense(h, w(n, dt)), t) for n, t in (("w_gate", "mlpwi_0"), ("w_up", "mlpwi_1")))
+            f, out = jax.nn.silu(gate) * up, "w_down"
         else:
-            f, out = jax.nn.gelu(dense(h, w("w_in", dt))), "w_out"
+            f, out = jax.nn.gelu(checkpoint_name(dense(h, w("w_in", dt)), "mlpwi")), "w_out"
         f = checkpoint_name(constrain(f, ("batch", "length", "d_ff")), "mlp_hidden")
-        mlp = dense(f, w(out, dt))  # [batch, length, embed]
+        mlp = checkpoint_name(dense(f, w(out, dt)), "mlpwo")  # [batch, length, embed]
     return constrain(x + dropout(mlp, cfg.dropout, k_mlp), EMBED), cache, stats
 
 

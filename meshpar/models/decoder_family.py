@@ -9,10 +9,16 @@ configs onto one and call these.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from meshpar.models import decoder, layers
+import jax
+import jax.numpy as jnp
+
+from meshpar import jaxprs
+from meshpar.models import decoder, layers, remat
 from meshpar.models.contract import Traits
 from meshpar.models.decoder import MLP_PARAMS, DecoderConfig, moe_layers
 from meshpar.sharding import layout as layout_lib
@@ -105,10 +111,53 @@ def layer_flops(cfg: DecoderConfig, element_spec: dict) -> tuple[float, ...]:
     return tuple(float((6 * _layer_weights(cfg, flag) + attention) * length) for flag in _moe_flags(cfg))
 
 
+@functools.cache
+def recomputed(cfg: DecoderConfig) -> frozenset[str]:
+    """The ``checkpoint_name`` tags whose values the backward pass of one layer of `cfg` makes
+    again under its remat policy: those its gradient makes more often than without the policy,
+    traced on abstract weights and a row of two positions (a dense layer: the experts' MLP
+    carries the same tags)."""
+    if not remat.policy(cfg.remat).checkpoint:
+        return frozenset()
+    one = dataclasses.replace(cfg, moe_experts=0, n_layers=1, dropout=0.0)
+    sizes = {"embed": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "kv": cfg.d_head, "d_ff": cfg.d_ff}
+    p = {name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in dims), jnp.float32)
+         for name, dims in decoder.block_dims(one).items()}  # fmt: skip
+    x = jax.ShapeDtypeStruct((1, 2, cfg.d_model), jnp.float32)
+
+    def made(fn: Callable) -> dict[str, int]:  # tag -> how often the gradient computes its value
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: fn(p, x, None).sum()))(p, x)
+        return jaxprs.tags_made(jaxpr)
+
+    plain = functools.partial(decoder.block, one)
+    again = made(remat.checkpointed(plain, cfg.remat, in_scan=True, save=cfg.remat_save))
+    once = made(plain)
+    return frozenset(t for t, n in again.items() if n > once.get(t, 0))
+
+
+# Each split sublayer's output, summed over the model axis (Megatron): attention's (heads), the MLP's (d_ff).
+SUMMED = {"heads": "out_proj", "d_ff": "mlpwo"}
+
+
+def activation_all_reduces(cfg: DecoderConfig, element_spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(count, elements each) of the all-reduces over the model axis per step, for `rows` batch
+    rows per device with `dims` split over it (Megatron): each split sublayer (attention by
+    ``heads``, the MLP by ``d_ff``) sums its output forward and its input's gradient backward,
+    and its output once more where the remat policy's backward makes that output again
+    (:func:`recomputed`: under ``full`` attention's, which the MLP's recomputed input reads, and
+    not the MLP's, which nothing in the backward reads); the ``vocab``-split output sums the
+    gradient of its input once. Each is ``[rows, length, embed]``."""
+    again = recomputed(cfg)
+    split = [d for d in SUMMED if d in dims]
+    per_layer = 2 * len(split) + sum(SUMMED[d] in again for d in split)
+    count = per_layer * cfg.n_layers + ("vocab" in dims)
+    return count, rows * layers.window_length(element_spec) * cfg.d_model
+
+
 # The decoder's field behind each trait other code reads (meshpar.models.Traits).
 TRAIT_FIELDS = {
     "stack_layers": "n_layers", "width": "d_model", "compute_dtype": "compute_dtype", "param_dtype": "param_dtype",
-    "remat": "remat", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
+    "remat": "remat", "remat_save": "remat_save", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
     "attention_block": "attention_block", "vocab_size": "vocab_size", "scan_layers": "scan_layers",
     "scan_unroll": "scan_unroll", "experts": "moe_experts",
 }  # fmt: skip
@@ -161,9 +210,10 @@ def family_parts(switches: Callable[[Any], DecoderConfig]) -> dict[str, Any]:
         "tokens_per_example": lambda cfg, spec: layers.window_length(spec),  # predicted tokens: length, of length + 1
         "split_dims": of(split_dims),
         "fsdp_dims": of(fsdp_dims),
-        "activation_all_reduces": of(layers.activation_all_reduces),
+        "activation_all_reduces": of(activation_all_reduces),
         "num_layers": of(num_layers),
         "layer_flops": of(layer_flops),
         "activation_names": layers.ACTIVATION_NAMES,
+        "checkpoint_names": of(decoder.checkpoint_names),
         "layout_rules": of(layout_rules),
     }

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import remat as remat_lib
 from meshpar.sharding import layout as layout_lib
@@ -55,6 +56,14 @@ def rotary(x: jax.Array, inv_freq: jax.Array, positions: jax.Array | None = None
         sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def tag(x: jax.Array, *names: str) -> jax.Array:
+    """`x` tagged with each of `names` (``checkpoint_name`` in turn, the last outermost): one value
+    that a remat policy keeping any of the names keeps, once."""
+    for name in names:
+        x = checkpoint_name(x, name)
+    return x
 
 
 def dense(x: jax.Array, w: jax.Array, n: int = 1) -> jax.Array:
@@ -128,7 +137,7 @@ def _in_order(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, ke
     keys = None if key is None else jax.random.split(key, n)  # [layers] keys
     unroll = min(scan_unroll(cfg), n)
     looped = cfg.scan_layers and unroll < n  # a full unroll leaves no loop
-    layer = remat_lib.checkpointed(block, cfg.remat, in_scan=looped)
+    layer = remat_lib.checkpointed(block, cfg.remat, in_scan=looped, save=getattr(cfg, "remat_save", ()))
     if cfg.scan_layers:
 
         def body(carry, xs):
@@ -205,15 +214,3 @@ ACTIVATION_NAMES: dict[str, tuple[str, ...]] = {
     "layer_outputs": ("layer_in", "attn_residual"),
     "dots": ("layer_in", "attn_residual", "query", "key", "value", "context", "mlp_hidden"),
 }
-
-
-def activation_all_reduces(cfg, element_spec: dict, rows: int, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(count, elements each) of the all-reduces over the model axis per step, for `rows` batch
-    rows per device with `dims` split over it (Megatron): each split sublayer (attention by
-    ``heads``, the MLP by ``d_ff``) sums its output forward and its input's gradient backward,
-    and once more under ``remat: full`` (the recomputed forward); the ``vocab``-split output sums
-    the gradient of its input once. Each is ``[rows, length, embed]``."""
-    sublayers = ("heads" in dims) + ("d_ff" in dims)
-    per_layer = sublayers * (3 if cfg.remat == "full" else 2)
-    count = per_layer * cfg.n_layers + ("vocab" in dims)
-    return count, rows * window_length(element_spec) * cfg.d_model

@@ -128,13 +128,14 @@ def _expert_mlp(cfg: Any, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """Each expert's MLP on its own tokens ``x [expert_groups, experts, capacity, embed]``."""
     hidden = ("expert_groups", "experts", None, "d_ff")
     if cfg.mlp == "swiglu":
-        gate = jnp.einsum("gecm,emf->gecf", x, w["experts_gate"])
-        f = jax.nn.silu(gate) * jnp.einsum("gecm,emf->gecf", x, w["experts_up"])
+        gate = checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_gate"]), "mlpwi_0")
+        f = jax.nn.silu(gate) * checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_up"]), "mlpwi_1")
         out = w["experts_down"]
     else:
-        f, out = jax.nn.gelu(jnp.einsum("gecm,emf->gecf", x, w["experts_in"])), w["experts_out"]
+        f = jax.nn.gelu(checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_in"]), "mlpwi"))
+        out = w["experts_out"]
     f = checkpoint_name(constrain(f, hidden), "mlp_hidden")
-    return constrain(jnp.einsum("gecf,efm->gecm", f, out), BY_EXPERT)
+    return constrain(checkpoint_name(jnp.einsum("gecf,efm->gecm", f, out), "mlpwo"), BY_EXPERT)
 
 
 def dispatch_masks(experts: int, idx: jax.Array, weights: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
@@ -193,13 +194,13 @@ def _ragged_mlp(cfg: Any, w: dict[str, jax.Array], rows: jax.Array, sizes: jax.A
     """The experts' MLPs on ``rows [n, embed]`` sorted by expert, ``sizes[e]`` rows each (rows past
     their sum give zeros): one ragged_dot per matrix."""
     if cfg.mlp == "swiglu":
-        gate = _ragged_dot(rows, w["experts_gate"], sizes)
-        f = jax.nn.silu(gate) * _ragged_dot(rows, w["experts_up"], sizes)
+        gate = checkpoint_name(_ragged_dot(rows, w["experts_gate"], sizes), "mlpwi_0")
+        f = jax.nn.silu(gate) * checkpoint_name(_ragged_dot(rows, w["experts_up"], sizes), "mlpwi_1")
         out = w["experts_down"]
     else:
-        f, out = jax.nn.gelu(_ragged_dot(rows, w["experts_in"], sizes)), w["experts_out"]
+        f, out = jax.nn.gelu(checkpoint_name(_ragged_dot(rows, w["experts_in"], sizes), "mlpwi")), w["experts_out"]
     f = checkpoint_name(f, "mlp_hidden")
-    return _ragged_dot(f, out, sizes)
+    return checkpoint_name(_ragged_dot(f, out, sizes), "mlpwo")
 
 
 def _dropless_block(cfg: Any, w: dict[str, jax.Array], h: jax.Array, idx: jax.Array, weights: jax.Array,

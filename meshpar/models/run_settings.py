@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from meshpar.models import remat as remat_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
@@ -23,9 +25,17 @@ class RunSettings:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True  # run the stacked layers with lax.scan (True) or unrolled (False)
-    # What each layer keeps for the backward pass (meshpar.models.remat): none = everything;
-    # full = only its input, recomputing the layer; dots = its weight matmuls' outputs.
-    remat: Literal["none", "full", "dots"] = "none"
+    # What each layer keeps for the backward pass (meshpar.models.remat; every name's definition
+    # and source: docs/models.md, "Remat policies"): none = everything; full = only its input,
+    # recomputing the layer; dots = its weight matmuls' outputs; MaxText's remat_policy names
+    # (lower case; qkv_proj_offloaded and minimal_offloaded keep their names in pinned host
+    # memory) and Paxml's AutodiffCheckpointType names (upper case), each as its source defines
+    # it; custom = the values tagged with the names remat_save lists.
+    remat: Literal[remat_lib.NAMES] = "none"
+    # With remat custom only: the checkpoint_name tags whose values each layer keeps on the device
+    # (MaxText's tensors_on_device), e.g. [query_proj, key_proj, value_proj, out_proj]; a name
+    # the family's layers do not tag is a config error that lists those they do.
+    remat_save: tuple[str, ...] = ()
     # Attention core (meshpar.models.attention): xla = full [length, length] scores; blockwise =
     # flash-style over key blocks of attention_block positions (memory grows with length x
     # block); cudnn = cuDNN's fused attention where it applies (CUDA GPU, bfloat16/float16,

@@ -57,7 +57,9 @@ def _mode(args) -> str:
     without its mode, two modes at once, or a mode without the machine it needs is a
     :class:`ConfigError` naming the flag."""
     if (args.nodes is not None or args.network) and not args.topology:
-        raise ConfigError("--nodes" if args.nodes is not None else "--network", "clusters a machine: add --topology NAME")
+        raise ConfigError(
+            "--nodes" if args.nodes is not None else "--network", "clusters a machine: add --topology NAME"
+        )
     if args.search or args.write or args.top is not None:
         if not args.search:
             raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")

@@ -16,6 +16,10 @@ row sets the analytic host column (:mod:`meshpar.plan.memory.analytic`) beside X
 own ``host_*`` fields on GPU; on CPU, which reports none, the offloaded state's shard bytes
 (:func:`meshpar.step.aot.memory`), as the table says.
 
+The flags XLA compiled the programs with (:attr:`meshpar.step.parts.AbstractStep.compiler_options`:
+``xla.flags`` over the GPU defaults) are the report's ``xla_flags``, beside the environment's
+``XLA_FLAGS`` (under them: a compile option wins flag by flag).
+
 The run executes other programs too (the eval step, the checkpoint digest), each with its own
 peak and with other buffers resident beside it (:mod:`meshpar.plan.programs`). What the plan
 needs per device is the largest of those peaks and of the analytic total.
@@ -24,7 +28,9 @@ needs per device is the largest of those peaks and of the analytic total.
 from __future__ import annotations
 
 import dataclasses
+import os
 
+from meshpar.backend import xla_flags as xla_flags_lib
 from meshpar.plan import cost
 from meshpar.plan import programs as programs_lib
 from meshpar.plan.memory import analytic as memory
@@ -54,6 +60,7 @@ class Report:
     compiled: object = dataclasses.field(
         default=None, repr=False, compare=False
     )  # the train step, for the run to reuse
+    xla_flags: dict = dataclasses.field(default_factory=dict)  # the compile options the programs were compiled with
 
     @property
     def needed_bytes(self) -> int:
@@ -116,6 +123,8 @@ class Report:
             "needed_from": self.needed_from,
             "fits": self.fits,
             "verdict": self.verdict(),
+            "xla_flags": dict(self.xla_flags),
+            "xla_flags_env": os.environ.get("XLA_FLAGS", ""),
         }  # fmt: skip
 
 
@@ -143,7 +152,7 @@ def plan(step: parts.AbstractStep, programs: Programs, analytic=None, capacity=N
     return Report(
         mesh_lib.describe(step.mesh), f"{step.mesh.size} {platform(step)}",
         analytic, missing, aot.memory(programs.train), capacity or cost.device_capacity(step.cfg, step.mesh),
-        tuple(programs_lib.peaks(step, programs)), programs.train,
+        tuple(programs_lib.peaks(step, programs)), programs.train, step.compiler_options,
     )  # fmt: skip
 
 
@@ -166,7 +175,8 @@ def table(report: Report):
     a, x, c = report.analytic, report.xla, report.capacity
     t = Table(
         title=f"memory per device: mesh {report.mesh}, {report.devices} devices", title_justify="left",
-        caption=f"capacity: {c.source}; headroom {cost.HEADROOM_FRACTION:.0%} kept free", caption_justify="left",
+        caption=f"capacity: {c.source}; headroom {cost.HEADROOM_FRACTION:.0%} kept free\n{flags_line(report)}",
+        caption_justify="left",
     )  # fmt: skip
     t.add_column("analytic category", no_wrap=True)
     t.add_column("analytic", justify="right")
@@ -211,6 +221,14 @@ def table(report: Report):
         t.add_row("migrated (unified memory)", fmt_bytes(report.migrated_bytes), "", "needed beyond the device: paged to "
                   "host memory and back each step", "", "", style="bold")  # fmt: skip
     return t
+
+
+def flags_line(report: Report) -> str:
+    """The XLA flags the programs were compiled with, as ``XLA_FLAGS`` would give them, and the
+    environment's ``XLA_FLAGS`` where set (which they override flag by flag)."""
+    flags = xla_flags_lib.format_flag_string(report.xla_flags) or "XLA's defaults"
+    env = os.environ.get("XLA_FLAGS", "")
+    return f"compiled with XLA flags: {flags}" + (f" (over XLA_FLAGS={env})" if env else "")
 
 
 def host_rows(t, analytic, xla: dict) -> None:

@@ -47,6 +47,7 @@ EXECUTION = (
     "compute_dtype",
     "scan_layers",
     "remat",
+    "remat_save",
     "attention",
     "attention_block",
     "scan_unroll",

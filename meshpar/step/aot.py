@@ -23,8 +23,8 @@ MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 
 
 def compile_train_step(cfg: Config) -> jax.stages.Compiled:
-    """The config's train step, lowered and compiled for its mesh (nothing allocated)."""
-    return parts.abstract_step(cfg).lower().compile()
+    """The config's train step, lowered and compiled for its mesh with its XLA flags (nothing allocated)."""
+    return parts.abstract_step(cfg).compile()
 
 
 def _host_bytes(compiled: jax.stages.Compiled) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ import jax
 import optax
 
 from meshpar import models
-from meshpar.backend import compile_cache
+from meshpar.backend import compile_cache, xla_flags
 from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.processes import joining, stop
@@ -221,6 +221,15 @@ class AbstractStep:
     def lower(self) -> jax.stages.Lowered:
         return self.step.lower(*self.args)
 
+    @property
+    def compiler_options(self) -> dict:
+        """The XLA flags every program of this step is compiled with (:func:`compiler_options`)."""
+        return compiler_options(self.cfg, self.mesh)
+
+    def compile(self) -> jax.stages.Compiled:
+        """The train step compiled for the step's devices with its XLA flags: what the run executes."""
+        return xla_flags.compile(self.lower(), self.compiler_options)
+
     def with_optimizer(self, tx: optax.GradientTransformation) -> AbstractStep:
         """The same parts with the train step built for another optimizer (a resumed run's
         schedule horizon)."""
@@ -228,12 +237,19 @@ class AbstractStep:
         return dataclasses.replace(self, step=step, tx=tx)
 
 
+def compiler_options(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
+    """The XLA flags the config's programs are compiled with on `mesh`'s devices: ``xla.flags``
+    over the GPU defaults where the devices are GPUs (:func:`meshpar.backend.xla_flags.options`)."""
+    return xla_flags.options(cfg.xla.flags, cfg.xla.gpu_defaults, mesh.devices.flat[0].platform)
+
+
 def train_step(cfg: Config, family: models.Family, mesh, layout, plan: trainer.StatePlan, tx, batch_shardings: dict):
-    """The jitted train step of these parts (:func:`meshpar.step.trainer.make_train_step`)."""
+    """The jitted train step of these parts (:func:`meshpar.step.trainer.make_train_step`), with
+    the config's XLA flags for whichever compile of it comes first (ahead of time, or its first call)."""
     return trainer.make_train_step(
         plan.graphdef, tx, layout, mesh, plan.shardings, batch_shardings, cfg.train.microbatches,
         cfg.offload.activations, activation_names=family.kept_activations(cfg.offload.activations),
-        schedule=plan.schedule,
+        schedule=plan.schedule, compiler_options=compiler_options(cfg, mesh),
     )  # fmt: skip
 
 
@@ -251,7 +267,7 @@ def assemble(
     tx, plan = plan_model(cfg, family, mesh, layout, element_spec, decay_steps)
     step = train_step(cfg, family, mesh, layout, plan, tx, batch_shardings)
     evaluate = trainer.make_eval_step(
-        plan.graphdef, layout, mesh, plan.shardings.params, batch_shardings, plan.schedule
+        plan.graphdef, layout, mesh, plan.shardings.params, batch_shardings, plan.schedule, compiler_options(cfg, mesh)
     )
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.abstract, plan.shardings)
     flags = jax.ShapeDtypeStruct((mesh.size,), jax.numpy.int32, sharding=stop.flag_sharding(mesh))

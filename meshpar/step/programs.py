@@ -1,7 +1,8 @@
 """The programs a run executes, compiled once, ahead of time, from its built step: the train
 step, the eval step (when the run evaluates) and the checkpoint digest (when it saves).
 
-The run calls them instead of compiling again; the planner reads their memory and costs
+Each is compiled with the config's XLA flags (:mod:`meshpar.backend.xla_flags`). The run calls
+them instead of compiling again; the planner reads their memory and costs
 (:mod:`meshpar.plan.programs`, :mod:`meshpar.plan.preflight`) and never compiles them itself.
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 
 import jax
 
+from meshpar.backend import xla_flags
 from meshpar.checkpoints import integrity, rundir
 from meshpar.configuration import errors
 from meshpar.configuration.config import Config
@@ -38,10 +40,10 @@ class Programs:
 
 
 def _compile(lowered_by, what: str, step: parts.AbstractStep) -> jax.stages.Compiled:
-    """`lowered_by()` compiled; the compiler's own failure as one line (a CompileError naming
-    the devices), not its traceback."""
+    """`lowered_by()` compiled with the step's XLA flags (:attr:`meshpar.step.parts.AbstractStep.compiler_options`);
+    the compiler's own failure as one line (a CompileError naming the devices), not its traceback."""
     try:
-        return lowered_by().compile()
+        return xla_flags.compile(lowered_by(), step.compiler_options)
     except jax.errors.JaxRuntimeError as e:
         first = str(e).splitlines()[0].split(", metadata=")[0]
         where = f"{step.mesh.size} {step.mesh.devices.flat[0].platform} devices ({mesh_lib.describe(step.mesh)})"

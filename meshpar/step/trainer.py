@@ -235,6 +235,7 @@ def make_train_step(
     activations_memory: str = offload_lib.HOST,
     activation_names: Sequence[str] | None = None,
     schedule: pipeline.Schedule | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, dict, jax.Array], tuple[TrainState, dict]]:
     """``step(state, batch, stop) -> (state, metrics)``, jitted with explicit shardings; state
     is donated. `stop` holds one int32 per device (see :mod:`meshpar.processes.stop`); ``metrics["stop"]``
@@ -248,7 +249,8 @@ def make_train_step(
     (``device``: the same names saved on the devices, the reference offload is compared with);
     `activation_names`: those names (:meth:`meshpar.models.Family.kept_activations`; default the
     built-in families'). `schedule`: the layout's pipeline (:mod:`meshpar.sharding.stages`); its
-    microbatches are the pipeline's, and the gradients of the whole batch come from one pass."""
+    microbatches are the pipeline's, and the gradients of the whole batch come from one pass.
+    `compiler_options`: XLA's flags for every compile of it, ahead of time or at its first call."""
     params_on_host = offload_lib.any_on_host(state_shardings.params)
     keep = models.ACTIVATION_NAMES[activations] if activation_names is None else tuple(activation_names)
     kept = (keep, activations_memory) if keep else None
@@ -277,8 +279,9 @@ def make_train_step(
         return new, metrics
 
     replicated, flags = NamedSharding(mesh, PartitionSpec()), stop_lib.flag_sharding(mesh)
-    in_shardings = (state_shardings, dict(batch_shardings), flags)
-    return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnums=0)
+    ins, outs = (state_shardings, dict(batch_shardings), flags), (state_shardings, replicated)
+    options = dict(compiler_options or {})
+    return jax.jit(step, in_shardings=ins, out_shardings=outs, donate_argnums=0, compiler_options=options)
 
 
 def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, param_shardings: nnx.State,
@@ -377,9 +380,11 @@ def make_eval_step(
     param_shardings: nnx.State,
     batch_shardings: Mapping[str, NamedSharding],
     schedule: pipeline.Schedule | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[nnx.State, dict], dict]:
     """``eval_step(params, batch) -> metrics`` (loss and the model's own metrics), no dropout;
-    through the pipeline `schedule` when there is one."""
+    through the pipeline `schedule` when there is one; compiled with `compiler_options` as the
+    train step is."""
 
     params_on_host = offload_lib.any_on_host(param_shardings)
 
@@ -390,4 +395,5 @@ def make_eval_step(
         return {"loss": loss, **aux}
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(param_shardings, dict(batch_shardings)), out_shardings=replicated)
+    ins, options = (param_shardings, dict(batch_shardings)), dict(compiler_options or {})
+    return jax.jit(step, in_shardings=ins, out_shardings=replicated, compiler_options=options)

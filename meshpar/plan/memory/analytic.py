@@ -15,6 +15,7 @@ import jax
 
 from meshpar import models
 from meshpar.configuration.config import Config
+from meshpar.models import remat as remat_lib
 from meshpar.plan.memory import gathers, gradients, phases, pipelined, trace, train_state
 from meshpar.plan.out_of_core import offload_plan
 from meshpar.sharding import layout as layout_lib
@@ -85,9 +86,10 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
         return "a sequence split (layout puts length on a mesh axis: XLA gathers attention's keys and values)"
     offload = getattr(cfg, "offload", None)
     moved = any(getattr(offload, k, False) for k in ("optimizer", "params"))
-    if platform == "cpu" and (moved or getattr(offload, "activations", "none") != "none"):
+    # host offload: of the state, of activations, or a remat policy's (model.remat minimal_offloaded, ...)
+    offloaded = moved or getattr(offload, "activations", "none") != "none" or bool(remat_lib.offloaded(model.remat))
+    if platform == "cpu" and offloaded:
         return "host offload on XLA:CPU (it ignores memory kinds inside the step: nothing moves to or from the host)"
-    offloaded = moved or getattr(offload, "activations", "none") != "none"
     if platform == "gpu" and jax.default_backend() != "gpu" and offloaded:
         # a GPU target on a host without one is compile-only: its devices have no memories to place arrays in
         return ("host offload on a GPU compiled deviceless (compile-only devices have no pinned_host memory: "
@@ -99,16 +101,22 @@ def analytic(step: parts.AbstractStep, compiler_options: dict | None = None) -> 
     """The built step's per-device memory by category (nothing allocated; the step is not compiled —
     for a GPU, each distinct matmul is, alone, to read what XLA:GPU's lowering of it holds:
     :func:`meshpar.plan.time.gemm.matmul_scratch`). `compiler_options`: those the step will be compiled with
-    (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them)."""
+    (``Lowered.compile``'s; on a GPU the matmuls' lowering follows them); default the step's own XLA
+    flags (:attr:`meshpar.step.parts.AbstractStep.compiler_options`)."""
+    compiler_options = step.compiler_options if compiler_options is None else compiler_options
     state = train_state.state_bytes(step)
     if step.plan.schedule is not None:  # a stage axis: the pipeline's own accounting (meshpar.plan.memory.stage_axis)
         return Breakdown(pipelined.categories(step, step.plan.schedule, state), state.exact, state.host)
     place, remat = state.place, step.traits.remat or "none"
-    if place.activations != "none":  # the named residuals on the host, the rest recomputed
+    # the named residuals on the host (offload.activations', or an offloading remat policy's),
+    # the rest recomputed
+    offloading = place.activations != "none" or bool(remat_lib.offloaded(remat))
+    if offloading:
+        own = place.activations == "none"
+        names = remat_lib.offloaded(remat) if own else step.family.kept_activations(place.activations)
         prof, remat = offload_plan.profile(step), "full"
-        names = step.family.kept_activations(place.activations)
         state.host["activations"] = prof.named_bytes(names) * prof.layers
-    traced = trace.traced(step, remat if place.activations != "none" else None, slices=remat == "none")
+    traced = trace.traced(step, remat if offloading else None, slices=remat == "none")
     kept = traced.kept
     gathered = gathers.gathers(step, traced.read, traced.rolled, traced.dtypes)  # param_layout: stored split
     activations = sum(r.total for r in kept) + gathered.kept

@@ -4,6 +4,8 @@
 ``activations``, and what the rest of its phases are walked over; which residuals XLA keeps,
 and why, is in that module's docstring. :func:`local_loss` is the loss at one device's shapes
 that the trace reads, also read by the search's kernel count and the reshard model.
+:func:`recompute` is what a remat policy runs again, read from the same trace: the search's
+estimate and the out-of-core model price it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 import jax
 from flax import nnx
 
-from meshpar import models
+from meshpar import jaxprs, models
 from meshpar.plan import shapes
 from meshpar.plan.memory import residuals
 from meshpar.step import parts, trainer
@@ -109,3 +111,37 @@ def traced(step: parts.AbstractStep, remat: str | None, slices: bool) -> Traced:
     out.kept = saved_activations(step, remat, read=out.read, uses=out.uses, slices=out.slices if slices else None,
                                  casts=out.casts, matmuls_at=out.matmuls_at, dtypes=out.dtypes)  # fmt: skip
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """The matmul FLOPs of one device's gradient of one microbatch, under the step's remat policy
+    and under none: what the policy's backward runs again, derived from the policy itself."""
+
+    flops: float  # jax.grad of the loss under the step's model.remat
+    without: float  # the same under remat none
+
+    @property
+    def again(self) -> float:
+        """FLOPs the backward runs again (the recomputed forward's matmuls)."""
+        return max(self.flops - self.without, 0.0)
+
+    @property
+    def factor(self) -> float:
+        """The step's matmul work over the same without remat (1: nothing recomputed)."""
+        return self.flops / self.without if self.without else 1.0
+
+
+def _grad_flops(step: parts.AbstractStep, remat: str | None) -> float:
+    loss, params = local_loss(step, remat)
+    with shapes.on_target(step, local=True):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params, shapes.device_batch(step))
+    return sum(jaxprs.matmul_flops(eqn)[0] * copies for eqn, copies, _ in jaxprs.walk(jaxpr))
+
+
+def recompute(step: parts.AbstractStep) -> Recompute:
+    """What `step`'s ``model.remat`` policy runs again (:class:`Recompute`): its gradient traced
+    under the policy and under none; without a policy nothing, untraced."""
+    if not step.traits.remat_on:
+        return Recompute(0.0, 0.0)
+    return Recompute(_grad_flops(step, None), _grad_flops(step, "none"))

@@ -18,6 +18,7 @@ from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import cost as cost_lib
 from meshpar.plan.memory import analytic as memory
+from meshpar.plan.memory import trace
 from meshpar.plan.out_of_core import offload_plan, unified
 from meshpar.plan.search import candidates as candidates_lib
 from meshpar.plan.time import timing
@@ -110,12 +111,13 @@ def paging(blocks: unified.Blocks, need: int, capacity: cost_lib.Capacity, topo,
     return moved, moved.stall_s(host_bandwidth(topo, devices), topo.fault_s)
 
 
-def _recompute(cfg: Config, prof: offload_plan.Profile) -> float:
-    """FLOPs the backward pass of one layer runs again (see docs/out-of-core-model.md)."""
-    policy = getattr(cfg.offload, "activations", "none")
+def _recompute(p: Prepared) -> float:
+    """FLOPs the backward pass of one layer runs again (see docs/out-of-core-model.md): under
+    activation offload its policy's, else what ``model.remat``'s policy runs again, traced."""
+    policy, prof = getattr(p.cfg.offload, "activations", "none"), p.prof
     if policy == "none":
-        policy = {"none": "none", "full": "layer_outputs", "dots": "dots"}[models.traits(cfg.model).remat or "none"]
-    return {"none": 0.0, "layer_outputs": prof.layer_flops, "dots": prof.batched_flops}[policy]
+        return trace.recompute(p.step).again / max(prof.layers, 1)
+    return {"layer_outputs": prof.layer_flops, "dots": prof.batched_flops}[policy]
 
 
 def _fsdp_ways(w: offload_plan.Weights) -> int:
@@ -199,7 +201,7 @@ def _passes(p: Prepared, topo) -> tuple[tuple[float, float, float], ...]:
     return (
         (max(prof.layer_flops / rate, w.layer_compute / hbm),
          _host_seconds(topo, devices, weights_in, offloaded), ring),
-        (max((2 * prof.layer_flops + _recompute(cfg, prof)) / rate, 2 * w.layer_compute / hbm),
+        (max((2 * prof.layer_flops + _recompute(p)) / rate, 2 * w.layer_compute / hbm),
          _host_seconds(topo, devices, weights_in + offloaded, weights_in), ring * (2 if remat else 1)),
     )  # fmt: skip
 
@@ -375,7 +377,9 @@ def _other_ways(step: parts.AbstractStep, skipped: list[Skipped] | None) -> list
     changes = [
         f"{model.key('remat')}={r}" for r in ("full", "dots") if model.remat not in (None, r) and "remat" in model.keys
     ]
-    out = [Option(change, (*NO_OFFLOAD, change), "activations", "remat") for change in changes]
+    # custom's names go with custom only
+    unsave = (f"{model.key('remat_save')}=[]",) if model.remat_save else ()
+    out = [Option(change, (*NO_OFFLOAD, change, *unsave), "activations", "remat") for change in changes]
     k = cfg.train.microbatches
     out += [Option(f"train.microbatches={k * f}", (*NO_OFFLOAD, f"train.microbatches={k * f}"), "activations",
                    "microbatches") for f in (2, 4)]  # fmt: skip
@@ -449,7 +453,7 @@ def reference(step: parts.AbstractStep, topo) -> float:
     """The config's step time on `topo` from its compiled HLO, batch placement included
     (:func:`meshpar.plan.time.timing.predict`; compiled here, nothing allocated)."""
     cfg = step.cfg
-    return timing.predict(step, step.lower().compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
+    return timing.predict(step, step.compile(), topo, cost_lib.feed_seconds(cfg, topo)).total_s
 
 
 def sweep(

@@ -90,10 +90,15 @@ class Profile:
     batched_flops: float  # of which contractions with batch dims (attention's scores and context)
     other_flops: float  # matmul FLOPs outside the layers (embedding lookups are gathers: none)
     named: dict[str, int]  # tag → bytes of that value in one layer
+    # each tagged value of the layers: (its tags, its bytes in all layers); a value tagged with
+    # several names (meshpar.models.layers.tag) is one value
+    values: tuple[tuple[frozenset[str], int], ...] = ()
 
     def named_bytes(self, names) -> int:
-        """Bytes of the values tagged with any of `names`, in one layer."""
-        return sum(self.named.get(n, 0) for n in names)
+        """Bytes of the values tagged with any of `names`, in one layer (each value once)."""
+        if not self.values:
+            return sum(self.named.get(n, 0) for n in names)
+        return sum(b for tags, b in self.values if tags & set(names)) // max(self.layers, 1)
 
 
 def profile(step: parts.AbstractStep) -> Profile:
@@ -111,6 +116,8 @@ def profile(step: parts.AbstractStep) -> Profile:
         return nnx.merge(graphdef, params).loss(batch, rngs=nnx.Rngs(dropout=jax.random.key(0)))[0]
 
     acc = {"layer": 0.0, "other": 0.0, "batched": 0.0, "layers": 0, "named": collections.Counter()}
+    root: dict = {}  # a tag's output -> the value first tagged (a name of a name is one value)
+    values: dict = {}  # that value -> [its tags, its bytes × copies]
     for eqn, copies, in_layer in jaxprs.walk(jax.make_jaxpr(forward)(params, local)):
         flops, batched = jaxprs.matmul_flops(eqn)
         acc["layer" if in_layer else "other"] += flops * copies
@@ -118,10 +125,13 @@ def profile(step: parts.AbstractStep) -> Profile:
         tag = jaxprs.tag_of(eqn)
         if tag is not None and in_layer:
             acc["named"][tag] += jaxprs.nbytes(eqn.invars[0]) * copies
+            first = root[eqn.outvars[0]] = root.get(eqn.invars[0], eqn.invars[0])
+            values.setdefault(first, [set(), jaxprs.nbytes(eqn.invars[0]) * copies])[0].add(tag)
         acc["layers"] += copies if jaxprs.is_layer_call(eqn) else 0
     n = max(acc["layers"], 1)
     named = {k: v // n for k, v in acc["named"].items()}
-    return Profile(acc["layers"], acc["layer"] / n, acc["batched"] / n, acc["other"], named)
+    tagged = tuple((frozenset(tags), b) for tags, b in values.values())
+    return Profile(acc["layers"], acc["layer"] / n, acc["batched"] / n, acc["other"], named, tagged)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,9 @@ class Candidate:
     @property
     def key(self) -> str:
         """The config key this change is mainly about (the most disruptive one it makes)."""
-        keys = {"model.remat" if k.startswith("model.") else k: k for k, _ in self.changes}
+        keys: dict[str, str] = {}
+        for k, _ in self.changes:  # a model change's first key (the remat policy's, not remat_save's after it)
+            keys.setdefault("model.remat" if k.startswith("model.") else k, k)
         return keys[next(k for k in KEYS if k in keys)]
 
     def __str__(self) -> str:
@@ -261,7 +263,9 @@ def candidates(
         else element_spec
     )
     skip = skipped.append if skipped is not None else (lambda item: None)
-    raw, remat_key = config_lib.to_dict(cfg), models.traits(cfg.model).key("remat")
+    model = models.traits(cfg.model)
+    raw, remat_key = config_lib.to_dict(cfg), model.key("remat")
+    unsave = [(model.key("remat_save"), "[]")] if model.remat_save else []  # custom's names go with custom only
     out = []
     for (factor, mesh_shape, rules, staged), fsdp, off, r, k in _combinations(cfg, shape):
         n = (factor > 1) + fsdp + off + (r is not None) + (k is not None)
@@ -284,7 +288,7 @@ def candidates(
         if off:
             changes += [("offload.optimizer", "true")]
         if r is not None:
-            changes += [(remat_key, r)]
+            changes += [(remat_key, r), *unsave]
         if k is not None:
             changes += [("train.microbatches", str(k))]
         try:

@@ -117,7 +117,7 @@ def estimate(
     sched = step.plan.schedule  # a stage axis: a share of the layers, stretched by the bubble
     scale = stages.compute_scale(sched, stages.layer_share(family, cfg.model, spec))
     flops = per_example * cfg.train.batch_size / (batch_ways * model_ways) * scale
-    flops *= 4 / 3 if model.remat == "full" else 1
+    flops *= trace.recompute(step).factor  # the backward's recomputed forward, as the policy traces
     compute_s = flops / (topo.peak(dtype) * topo.efficiency)
     # gradient accumulation (no stage axis): k passes over one microbatch's residuals each; the
     # gradients summed over the batch axes no weight is split on are reduced once per step

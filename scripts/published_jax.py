@@ -1,0 +1,190 @@
+"""Published JAX steps on GPU clusters (``jax_gpu_*.csv``) as meshpar configs on meshpar clusters.
+
+Each row (MaxText or Paxml; columns in the published set's README) becomes:
+
+* the model: ``llama`` (RoPE, RMSNorm, SwiGLU, untied, ``kv_heads``) or Megatron-style GPT in
+  ``transformer`` (learned positions, GELU MLP, tied), the row's shapes, float32 parameters with
+  bf16 compute, its attention (cuDNN's fused attention for every flash/TE row, XLA's otherwise),
+  its layers scanned unless its notes say ``scan_layers=false``;
+* the layout: mesh ``data:DP,fsdp:FSDP`` (the data axis across nodes, FSDP within, as the
+  sources' ``dcn``/``ici`` split them), the batch over both, parameters ``embed:fsdp``;
+* its remat policy by the framework's own name (``model.remat``; MaxText's ``custom`` save list as
+  ``model.remat_save``);
+* its XLA flags, read from its notes (:func:`flags`) into the config's ``xla.flags``;
+* its cluster: the GPU's node kind × ``nodes`` × the network its ``network`` column names.
+
+A row meshpar cannot plan yet (FP8 matmuls, tensor or pipeline parallelism, experts) keeps the
+reason, and is reported with a null prediction.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import pathlib
+import re
+
+COLUMNS = ("id", "framework", "model", "family", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "experts",
+           "gpu", "gpus", "nodes", "network", "seq", "global_batch", "precision", "dp", "fsdp", "tp", "ep", "pp",
+           "remat", "attention", "step_s", "notes")  # fmt: skip
+INTEGERS = ("layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "experts", "gpus", "nodes", "seq",
+            "global_batch", "dp", "fsdp", "tp", "ep", "pp")  # fmt: skip
+# The GPU column → meshpar's node kind (one node of 8).
+NODE_KINDS = (("H200", "h200-sxm-8"), ("H100", "h100-sxm-8"), ("A100", "a100-sxm-8"))
+# The network column (the vendors' words) → meshpar's network file; the first match wins.
+NETWORKS = (("A3 Ultra", "gcp-a3-ultra-roce"), ("TCPXO", "gcp-a3-mega-tcpxo"), ("A3 Mega", "gcp-a3-mega-tcpxo"),
+            ("TCPX", "gcp-a3-tcpx"), ("DGX A100", "hdr-ib"), ("HDR", "hdr-ib"), ("DGX H100", "ndr-ib"),
+            ("NDR", "ndr-ib"))  # fmt: skip
+MAXTEXT_SAVES = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "qkv": "qkv_proj", "out": "out_proj",
+                 "mlpwo": "mlpwo", "mlpwi": "mlpwi", "context": "context"}  # fmt: skip
+MIB, GIB = 1 << 20, 1 << 30
+
+
+class InputError(Exception):
+    """A published-row file or folder that cannot be read as this script needs it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    source: str  # "vtrain" | "jax"
+    name: str  # one line naming the row
+    group: str  # rows of one model and batch on one machine
+    topology: str  # the node kind (or a whole machine)
+    config: dict  # the meshpar config (a plain mapping, as a YAML file would hold)
+    measured_s: float
+    id: str = ""
+    nodes: int | None = None  # a cluster of this many nodes of `topology`
+    network: str | None = None
+    series: str = ""  # rows of the same work per GPU on growing node counts (weak scaling)
+    precision: str = "bf16"
+    unplannable: str = ""  # why meshpar cannot plan this row yet ("" if it can)
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*(GiB|MiB|bytes)?", text.strip())
+    if not m:
+        raise ValueError(text)
+    return int(m.group(1)) * {"GiB": GIB, "MiB": MIB}.get(m.group(2) or "bytes", 1)
+
+
+def _thresholds(notes: str, nodes: int) -> dict:
+    """Combine thresholds as the notes give them: ``AR/AG combine=1GiB``, ``AR combine=512MiB
+    AG=512MiB RS=8MiB``, ``AR=2GiB AG=2GiB RS=32MiB (<64 nodes) or 16MiB (>=64 nodes)``,
+    ``AR combine threshold 51200 bytes``; for an fp8 row its ``fp8 thresholds``."""
+    text = notes.split("fp8 thresholds:")[0] if "fp8 thresholds" in notes else notes
+    names = {"AR": "xla_gpu_all_reduce_combine_threshold_bytes", "AG": "xla_gpu_all_gather_combine_threshold_bytes",
+             "RS": "xla_gpu_reduce_scatter_combine_threshold_bytes"}  # fmt: skip
+    out = {}
+    size = r"(\d+\s*(?:GiB|MiB|bytes)?)"
+    for kinds, value, _ in re.findall(
+        rf"\b((?:AR|AG|RS)(?:/(?:AR|AG|RS))*)\s*(?:combine)?(?:\s*threshold)?\s*[= ]\s*{size}(\s*\(<64 nodes\))?", text
+    ):  # noqa: E501
+        for kind in kinds.split("/"):
+            out.setdefault(names[kind], _bytes(value))
+    large = re.search(rf"RS={size}\s*\(<64 nodes\) or {size}\s*\(>=64 nodes\)", text)
+    if large and nodes >= 64:
+        out[names["RS"]] = _bytes(large.group(2))
+    return out
+
+
+# Words in a row's notes → the XLA flags they stand for (values as XLA reads them).
+_SWITCHES = (
+    (r"LHS(=true| on)", {"xla_gpu_enable_latency_hiding_scheduler": True}),
+    (r"triton_gemm=false", {"xla_gpu_enable_triton_gemm": False}),
+    (r"highest_priority_async_stream", {"xla_gpu_enable_highest_priority_async_stream": True}),
+    (r"pipelined (?:AG/RS/AR|collectives)", {"xla_gpu_enable_pipelined_all_gather": True,
+                                             "xla_gpu_enable_pipelined_reduce_scatter": True,
+                                             "xla_gpu_enable_pipelined_all_reduce": True}),
+    (r"while[_ -]loop[_ -]double[_ -]buffering(?!=false)", {"xla_gpu_enable_while_loop_double_buffering": True}),
+    (r"combine_by_dim=false", {"xla_gpu_enable_all_gather_combine_by_dim": False,
+                               "xla_gpu_enable_reduce_scatter_combine_by_dim": False}),
+    (r"rematerialization (?:pass )?disabled|xla_disable_hlo_passes=rematerialization",
+     {"xla_disable_hlo_passes": "rematerialization"}),
+)  # fmt: skip
+
+
+def flags(notes: str, nodes: int) -> dict:
+    """The XLA flags a row's notes say its run used."""
+    out = {}
+    for pattern, values in _SWITCHES:
+        if re.search(pattern, notes):
+            out.update(values)
+    out.update(_thresholds(notes, nodes))
+    return out
+
+
+def remat(text: str) -> dict:
+    """The row's remat policy as ``model`` settings: the framework's name, or MaxText's
+    ``custom`` with its save list (``custom (q/k/v/qkv/out proj + mlpwo saved on device)``)."""
+    if text.startswith("custom"):
+        listed = re.findall(r"[a-z]+", text[text.index("(") : text.index("saved")].replace("proj", ""))
+        return {"remat": "custom", "remat_save": [MAXTEXT_SAVES[w] for w in listed if w in MAXTEXT_SAVES]}
+    if "SAVE_NOTHING" in text:
+        return {"remat": "SAVE_NOTHING"}
+    return {"remat": re.match(r"[A-Za-z_]+", text).group(0)}
+
+
+def _lookup(table, text: str, what: str, path: str) -> str:
+    for words, name in table:
+        if words in text:
+            return name
+    raise InputError(f"{path}: {what} {text!r} is none meshpar knows")
+
+
+def _model(r: dict, n: dict) -> dict:
+    attention = "xla" if r["attention"].startswith("xla") else "cudnn"
+    common = {"n_layers": n["layers"], "d_model": n["d_model"], "n_heads": n["heads"], "d_ff": n["d_ff"],
+              "d_head": n["d_model"] // n["heads"], "vocab_size": n["vocab"], "max_length": n["seq"],
+              "param_dtype": "float32", "compute_dtype": "bfloat16", "attention": attention,
+              "scan_layers": "scan_layers=false" not in r["notes"], **remat(r["remat"])}  # fmt: skip
+    if r["family"] == "llama":
+        return {"name": "llama", "n_kv_heads": n["kv_heads"], **common}
+    return {"name": "transformer", "positions": "learned", "tie_embeddings": True, **common}
+
+
+def _why_not(n: dict, r: dict) -> str:
+    if r["precision"] != "bf16":
+        return f"{r['precision']} matmuls: meshpar has no FP8 matmuls yet"
+    if n["tp"] > 1 or n["pp"] > 1 or n["ep"] > 1 or n["experts"]:
+        return "tensor, pipeline or expert parallelism: not mapped from these rows yet"
+    return ""
+
+
+def rows(path: pathlib.Path) -> list[Row]:
+    """The rows of one ``jax_gpu_*.csv``."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise InputError(f"{path.name}: column {missing[0]!r} is missing")
+            raw = list(reader)
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    out = []
+    for i, r in enumerate(raw, 2):
+        try:
+            n = {c: int(r[c] or 0) for c in INTEGERS}
+            measured = float(r["step_s"])
+        except ValueError as e:
+            raise InputError(f"{path.name}: line {i}: {e}") from None
+        if n["dp"] * n["fsdp"] * n["tp"] * n["ep"] * n["pp"] != n["gpus"] or n["gpus"] % n["nodes"]:
+            raise InputError(
+                f"{path.name}: line {i}: dp x fsdp x tp x ep x pp is not gpus {n['gpus']} over {n['nodes']} nodes"
+            )
+        node = _lookup(NODE_KINDS, r["gpu"], "gpu", path.name)
+        network = _lookup(NETWORKS, r["network"], "network", path.name)
+        mesh = ",".join(f"{a}:{s}" for a, s in (("data", n["dp"]), ("fsdp", n["fsdp"])) if s > 1) or "data:1"
+        batch = "(data,fsdp)" if n["dp"] > 1 and n["fsdp"] > 1 else "fsdp" if n["fsdp"] > 1 else "data"
+        cfg = {"mesh": mesh, "layout": f"batch:{batch}", "model": _model(r, n),
+               "data": {"source": "text", "length": n["seq"]},
+               "train": {"steps": 1, "batch_size": n["global_batch"], "microbatches": 1},
+               "xla": {"flags": flags(r["notes"], n["nodes"])}}  # fmt: skip
+        if n["fsdp"] > 1:
+            cfg["param_layout"] = "embed:fsdp"
+        name = f"{r['id']} {r['framework']} {r['model']} {n['gpus']}x{r['gpu'].split('-')[0].split(' ')[0]} dp{n['dp']} fsdp{n['fsdp']} {r['precision']}"  # noqa: E501
+        policy = cfg["model"]["remat"] + ":" + ",".join(cfg["model"].get("remat_save", []))
+        series = f"{r['framework']} {r['model']} {node} {r['precision']} seq{n['seq']} {n['global_batch'] // n['gpus']}/gpu fsdp{n['fsdp'] if n['dp'] > 1 else 'all'} {policy}"  # noqa: E501
+        out.append(Row("jax", name, name, node, cfg, measured, r["id"], n["nodes"], network, series, r["precision"],
+                       _why_not(n, r)))  # fmt: skip
+    return out
