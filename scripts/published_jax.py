@@ -10,7 +10,8 @@ Each row (MaxText or Paxml; columns in the published set's README) becomes:
   sources' ``dcn``/``ici`` split them), the batch over both, parameters ``embed:fsdp``;
 * its remat policy by the framework's own name (``model.remat``; MaxText's ``custom`` save list as
   ``model.remat_save``);
-* its XLA flags, read from its notes (:func:`flags`) into the config's ``xla.flags``;
+* its XLA flags, read from its notes (:func:`flags`) into the config's ``xla.flags``, exactly
+  those (``xla.gpu_defaults: false``; a flag the installed jaxlib no longer has is left out);
 * its cluster: the GPU's node kind × ``nodes`` × the network its ``network`` column names.
 
 A row meshpar cannot plan yet (FP8 matmuls, tensor or pipeline parallelism, experts) keeps the
@@ -23,6 +24,8 @@ import csv
 import dataclasses
 import pathlib
 import re
+
+from meshpar.backend import xla_flags
 
 COLUMNS = ("id", "framework", "model", "family", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "experts",
            "gpu", "gpus", "nodes", "network", "seq", "global_batch", "precision", "dp", "fsdp", "tp", "ep", "pp",
@@ -179,7 +182,7 @@ def rows(path: pathlib.Path) -> list[Row]:
         cfg = {"mesh": mesh, "layout": f"batch:{batch}", "model": _model(r, n),
                "data": {"source": "text", "length": n["seq"]},
                "train": {"steps": 1, "batch_size": n["global_batch"], "microbatches": 1},
-               "xla": {"flags": flags(r["notes"], n["nodes"])}}  # fmt: skip
+               "xla": xla_flags.section(xla_flags.known(flags(r["notes"], n["nodes"]))[0])}  # fmt: skip
         if n["fsdp"] > 1:
             cfg["param_layout"] = "embed:fsdp"
         name = f"{r['id']} {r['framework']} {r['model']} {n['gpus']}x{r['gpu'].split('-')[0].split(' ')[0]} dp{n['dp']} fsdp{n['fsdp']} {r['precision']}"  # noqa: E501
