@@ -153,17 +153,28 @@ def _why_not(n: dict, r: dict) -> str:
     return ""
 
 
-def rows(path: pathlib.Path) -> list[Row]:
-    """The rows of one ``jax_gpu_*.csv``."""
+def read(path: pathlib.Path, columns: tuple[str, ...], nonempty: tuple[str, ...] = ()) -> list[dict]:
+    """A published CSV's rows, as mappings; a column missing, or one of `nonempty` empty in a row,
+    is an InputError naming it."""
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            missing = [c for c in columns if c not in (reader.fieldnames or [])]
             if missing:
-                raise InputError(f"{path.name}: column {missing[0]!r} is missing")
-            raw = list(reader)
+                raise InputError(f"{path.name}: column {missing[0]!r} is missing (expected {', '.join(columns)})")
+            rows = list(reader)
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
+    for i, r in enumerate(rows, 2):
+        for c in nonempty:
+            if r.get(c) in (None, ""):
+                raise InputError(f"{path.name}: line {i}: column {c!r} is empty")
+    return rows
+
+
+def rows(path: pathlib.Path) -> list[Row]:
+    """The rows of one ``jax_gpu_*.csv``."""
+    raw = read(path, COLUMNS, ("id", "gpu", "gpus", "nodes", "step_s"))
     out = []
     for i, r in enumerate(raw, 2):
         try:

@@ -57,7 +57,6 @@ such: nothing says how fast it runs.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import os
@@ -94,20 +93,7 @@ def _published_dir(arg: str | None) -> pathlib.Path:
 
 
 def _read(path: pathlib.Path, columns: tuple[str, ...]) -> list[dict]:
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in columns if c not in (reader.fieldnames or [])]
-            if missing:
-                raise InputError(f"{path.name}: column {missing[0]!r} is missing (expected {', '.join(columns)})")
-            rows = list(reader)
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
-    for i, r in enumerate(rows, 2):
-        for c in columns:
-            if r.get(c) in (None, ""):
-                raise InputError(f"{path.name}: line {i}: column {c!r} is empty")
-    return rows
+    return published_jax.read(path, columns, columns)
 
 
 def _int(r: dict, c: str, path: str) -> int:
