@@ -59,7 +59,6 @@ class Row:
     nodes: int | None = None  # a cluster of this many nodes of `topology`
     network: str | None = None
     series: str = ""  # rows of the same work per GPU on growing node counts (weak scaling)
-    precision: str = "bf16"
     unplannable: str = ""  # why meshpar cannot plan this row yet ("" if it can)
 
 
@@ -199,6 +198,6 @@ def rows(path: pathlib.Path) -> list[Row]:
         name = f"{r['id']} {r['framework']} {r['model']} {n['gpus']}x{r['gpu'].split('-')[0].split(' ')[0]} dp{n['dp']} fsdp{n['fsdp']} {r['precision']}"  # noqa: E501
         policy = cfg["model"]["remat"] + ":" + ",".join(cfg["model"].get("remat_save", []))
         series = f"{r['framework']} {r['model']} {node} {r['precision']} seq{n['seq']} {n['global_batch'] // n['gpus']}/gpu fsdp{n['fsdp'] if n['dp'] > 1 else 'all'} {policy}"  # noqa: E501
-        out.append(Row("jax", name, name, node, cfg, measured, r["id"], n["nodes"], network, series, r["precision"],
+        out.append(Row("jax", name, name, node, cfg, measured, r["id"], n["nodes"], network, series,
                        _why_not(n, r)))  # fmt: skip
     return out

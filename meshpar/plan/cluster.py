@@ -19,7 +19,7 @@ from meshpar.plan import topology
 from meshpar.plan.time import nccl
 
 DIR = pathlib.Path(__file__).parent / "networks"
-KEYS = ("name", "description", "nics_per_node", "nic_gbps", "rail_optimized", "efficiency", "source")
+KEYS = ("name", "description", "nics_per_node", "nic_gbps", "efficiency", "source")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,6 @@ class Network:
     description: str
     nics_per_node: int
     nic_gbps: float  # line rate of one card, Gb/s, one direction
-    rail_optimized: bool  # card i of every node on one switch rail (a ring's hop leaves by one card)
     efficiency: float
     source: str = ""
 
@@ -61,14 +60,12 @@ def network(name: str) -> Network:
     if spec["efficiency"] > 1:
         raise ConfigError("--network", f"{where}.efficiency: {spec['efficiency']} is above 1")
     return Network(str(spec.get("name", name)), str(spec.get("description", "")), int(spec["nics_per_node"]),
-                   float(spec["nic_gbps"]), bool(spec.get("rail_optimized", True)), float(spec["efficiency"]),
+                   float(spec["nic_gbps"]), float(spec["efficiency"]),
                    str(spec.get("source", "")))  # fmt: skip
 
 
 def clustered(node: topology.Topology, nodes: int, net: Network) -> topology.Topology:
-    """`nodes` nodes of the kind `node` (one host each) joined by `net`."""
-    if node.hosts != 1:
-        raise ConfigError("--nodes", f"{node.name} is already {node.hosts} nodes: name a one-node machine")
+    """`nodes` nodes of the one-node kind `node` joined by `net`."""
     per_node = node.num_devices
     share = topology.Link(net.node_bps / per_node, nccl.RING_NET_S, "network")  # one device's share of the cards
     return dataclasses.replace(
