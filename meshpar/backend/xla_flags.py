@@ -153,11 +153,22 @@ def defaults(platform: str) -> dict[str, Value]:
     return {n: v for n, v in GPU_DEFAULTS.items() if found[n] is not None and not refused[n]}
 
 
-def options(flags: Mapping[str, Any], gpu_defaults: bool, platform: str) -> dict[str, Value]:
+# FP8 dots on a GPU: XLA's Triton GEMM emitter off, unless xla.flags sets it. With it on (XLA's
+# default), jaxlib 0.10.2's XLA:GPU fuses an FP8 dot's dequantizing multiplies into a bf16 Triton
+# GEMM and no FP8 GEMM is emitted (tests/test_fp8_plan.py shows both); with it off the GEMM
+# rewriter makes each one cuBLASLt FP8 GEMM, as MaxText's FP8 runs have it (their recipes set
+# --xla_gpu_enable_triton_gemm=false: NVIDIA/dgxc-benchmarking maxtext/README_70b.md).
+FP8_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def options(flags: Mapping[str, Any], gpu_defaults: bool, platform: str, fp8: bool = False) -> dict[str, Value]:
     """The ``compiler_options`` for a program compiled for `platform` (a device's ``platform``:
-    ``cpu``, ``gpu``, ...): :func:`defaults` where `gpu_defaults`, with `flags` over them key by
-    key. `flags` are a config's, checked already (:func:`check`)."""
+    ``cpu``, ``gpu``, ...): :func:`defaults` where `gpu_defaults`, and :data:`FP8_GEMMS` where the
+    model has `fp8` dots on a GPU, with `flags` over them key by key. `flags` are a config's,
+    checked already (:func:`check`)."""
     out = dict(defaults(platform)) if gpu_defaults else {}
+    if fp8 and platform == "gpu":
+        out.update(FP8_GEMMS)
     found = kinds(list(flags))
     out.update({n: _coerce(found[n], v) for n, v in flags.items()})
     return out

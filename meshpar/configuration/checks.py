@@ -19,6 +19,7 @@ from meshpar import models as models_lib
 from meshpar import sources
 from meshpar.configuration.schema import ConfigError, short
 from meshpar.configuration.sections import Config, OffloadConfig
+from meshpar.models import fp8 as fp8_lib
 from meshpar.models import remat as remat_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import stages as pipeline_lib
@@ -111,6 +112,9 @@ def check(cfg: Config) -> None:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
     _check_remat_save(cfg)
+    problem = fp8_lib.check(model.fp8)
+    if problem:
+        raise ConfigError(model.key("fp8"), problem)
     _check_experts(cfg, dict(cfg.mesh))
     block, attention = model.attention_block, model.attention
     if (

@@ -77,6 +77,9 @@ class Traits:
     # Experts of each mixture-of-experts layer (their weights' "experts" dim, which a layout may
     # split over a mesh axis it must divide by). 0: no experts.
     experts: int = 0
+    # The kinds of dot with FP8 operands (meshpar.models.fp8.KINDS); () = none: every matmul in
+    # the compute dtype.
+    fp8: tuple[str, ...] = ()
     # The config field behind each trait above, by the trait's name ({"stack_layers": "n_layers"}):
     # the key a one-line error names (:meth:`key`), and the field the planner sets to vary a
     # trait (remat, scan_unroll: :func:`with_settings`). A trait without one is never changed.

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import attention as attention_lib
-from meshpar.models import kv_cache, layers, moe_stats
+from meshpar.models import fp8, kv_cache, layers, moe_stats
 from meshpar.models import moe as moe_lib
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm, tag
 from meshpar.sharding.layout import constrain, use
@@ -67,6 +67,8 @@ class DecoderConfig:
     attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
     attention_block: int = 512
     scan_unroll: int = 0
+    fp8: tuple[str, ...] = ()  # the kinds of dot with FP8 operands (meshpar.models.fp8.KINDS)
+    fp8_gather: bool = False  # FP8 dots' weights gathered (FSDP) in FP8
     # Mixture of experts (meshpar.models.moe); 0 experts: every MLP dense.
     moe_experts: int = 0  # "experts" per MoE layer
     moe_top_k: int = 2  # experts each token is routed to
@@ -234,11 +236,18 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
     def w(name: str, dtype=None) -> jax.Array:  # placed for compute by meshpar.sharding.layout.use
         return use(p[name], dims[name], dtype)
 
+    def mm(h: jax.Array, name: str, kind: str, n: int = 1) -> jax.Array:  # h times weight `name`, a `kind` of dot
+        if kind not in cfg.fp8:
+            return dense(h, w(name, dt), n)
+        if cfg.fp8_gather:  # the weight as stored: the FP8 dot gathers its FP8 form
+            return fp8.dense(h, p[name], dt, n, functools.partial(use, dims=dims[name]), f"{kind}_{name}")
+        return fp8.dense(h, w(name, dt), dt, n, name=f"{kind}_{name}")
+
     heads, kv_heads = ("batch", "length", "heads", "kv"), ("batch", "length", cfg.kv_dim, "kv")
     x = tag(x, "iteration_input", "decoder_layer_input", "layer_in")
     h = checkpoint_name(rms_norm(x, w("attn_norm"), eps), "attn_in")  # [batch, length, embed]
-    q = tag(constrain(dense(h, w("wq", dt)), heads), *QKV_PROJ, "query_proj")  # [batch, length, heads, kv]
-    k, v = (tag(constrain(dense(h, w(name, dt)), kv_heads), *QKV_PROJ, own)
+    q = tag(constrain(mm(h, "wq", "attention"), heads), *QKV_PROJ, "query_proj")  # [batch, length, heads, kv]
+    k, v = (tag(constrain(mm(h, name, "attention"), kv_heads), *QKV_PROJ, own)
             for name, own in (("wk", "key_proj"), ("wv", "value_proj")))  # fmt: skip
     if cfg.positions == "rotary":
         inv_freq = jnp.asarray(cfg.rope, jnp.float32)  # [kv/2]
@@ -246,7 +255,7 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
     q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
     o, cache = attend(q, k, v)
     o = checkpoint_name(constrain(o, heads), "context")
-    attn = tag(dense(o, w("wo", dt), 2), "out_proj", "attn_out")  # [batch, length, embed]
+    attn = tag(mm(o, "wo", "attention", 2), "out_proj", "attn_out")  # [batch, length, embed]
     x = checkpoint_name(constrain(x + dropout(attn, cfg.dropout, k_attn), EMBED), "attn_residual")
     h = checkpoint_name(rms_norm(x, w("mlp_norm"), eps), "mlp_in")
     stats = None
@@ -255,12 +264,12 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
         stats = moe_stats.factors(stats)
     else:
         if cfg.mlp == "swiglu":
-            gate, up = (checkpoint_name(dense(h, w(n, dt)), t) for n, t in (("w_gate", "mlpwi_0"), ("w_up", "mlpwi_1")))
+            gate, up = (checkpoint_name(mm(h, n, "mlp"), t) for n, t in (("w_gate", "mlpwi_0"), ("w_up", "mlpwi_1")))
             f, out = jax.nn.silu(gate) * up, "w_down"
         else:
-            f, out = jax.nn.gelu(checkpoint_name(dense(h, w("w_in", dt)), "mlpwi")), "w_out"
+            f, out = jax.nn.gelu(checkpoint_name(mm(h, "w_in", "mlp"), "mlpwi")), "w_out"
         f = checkpoint_name(constrain(f, ("batch", "length", "d_ff")), "mlp_hidden")
-        mlp = checkpoint_name(dense(f, w(out, dt)), "mlpwo")  # [batch, length, embed]
+        mlp = checkpoint_name(mm(f, out, "mlp"), "mlpwo")  # [batch, length, embed]
     return constrain(x + dropout(mlp, cfg.dropout, k_mlp), EMBED), cache, stats
 
 
@@ -331,6 +340,9 @@ def check(cfg: DecoderConfig, length: int) -> str | None:
         return f"attention_block {cfg.attention_block} does not divide the sequence length {length}"
     if not 0.0 <= cfg.dropout < 1.0:
         return f"dropout must be in [0, 1), got {cfg.dropout}"
+    problem = fp8.check(cfg.fp8)
+    if problem:
+        return f"fp8: {problem}"
     return check_moe(cfg)
 
 
@@ -344,6 +356,8 @@ def check_moe(cfg: DecoderConfig) -> str | None:
         return f"moe_capacity_factor must be > 0, got {cfg.moe_capacity_factor}"
     if cfg.moe_every < 1 or cfg.n_layers % cfg.moe_every:
         return f"moe_every {cfg.moe_every} does not divide n_layers {cfg.n_layers}"
+    if "experts" in cfg.fp8 and cfg.moe_dispatch == "dropless":
+        return "fp8 experts need moe_dispatch capacity: dropless dispatch's ragged_dot has no FP8 GEMM in XLA"
     return None
 
 

@@ -22,6 +22,7 @@ The rules, the costs and the reports: docs/moe.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from meshpar.models import fp8
 from meshpar.models.layers import DTYPES
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import tracing
@@ -127,15 +129,22 @@ def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 def _expert_mlp(cfg: Any, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """Each expert's MLP on its own tokens ``x [expert_groups, experts, capacity, embed]``."""
     hidden = ("expert_groups", "experts", None, "d_ff")
+
+    def dot(spec: str, a: jax.Array, name: str) -> jax.Array:
+        if "experts" not in cfg.fp8:
+            return jnp.einsum(spec, a, w[name])
+        place = functools.partial(use, dims=DIMS[name]) if cfg.fp8_gather else fp8.unplaced
+        return fp8.einsum(spec, a, w[name], DTYPES[cfg.compute_dtype], place, f"experts_{name}")
+
     if cfg.mlp == "swiglu":
-        gate = checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_gate"]), "mlpwi_0")
-        f = jax.nn.silu(gate) * checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_up"]), "mlpwi_1")
-        out = w["experts_down"]
+        gate = checkpoint_name(dot("gecm,emf->gecf", x, "experts_gate"), "mlpwi_0")
+        f = jax.nn.silu(gate) * checkpoint_name(dot("gecm,emf->gecf", x, "experts_up"), "mlpwi_1")
+        out = "experts_down"
     else:
-        f = jax.nn.gelu(checkpoint_name(jnp.einsum("gecm,emf->gecf", x, w["experts_in"]), "mlpwi"))
-        out = w["experts_out"]
+        f = jax.nn.gelu(checkpoint_name(dot("gecm,emf->gecf", x, "experts_in"), "mlpwi"))
+        out = "experts_out"
     f = checkpoint_name(constrain(f, hidden), "mlp_hidden")
-    return constrain(checkpoint_name(jnp.einsum("gecf,efm->gecm", f, out), "mlpwo"), BY_EXPERT)
+    return constrain(checkpoint_name(dot("gecf,efm->gecm", f, out), "mlpwo"), BY_EXPERT)
 
 
 def dispatch_masks(experts: int, idx: jax.Array, weights: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
@@ -295,7 +304,12 @@ def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dic
     logits = constrain(jnp.einsum("blm,me->ble", h.astype(jnp.float32), router), ("batch", "length", None))
     experts, k = _sizes(cfg, router)
     probs, idx, weights = route(logits, k)
-    w = {"router": router, **{name: use(p[name], DIMS[name], dt) for name in PARAMS[cfg.mlp]}}
+    # FP8 experts with fp8_gather: the weights as stored; the FP8 dot gathers their FP8 form.
+    gathered_fp8 = "experts" in cfg.fp8 and cfg.fp8_gather
+    w = {
+        "router": router,
+        **{name: p[name] if gathered_fp8 else use(p[name], DIMS[name], dt) for name in PARAMS[cfg.mlp]},
+    }
     if cfg.moe_dispatch == "dropless":
         y, dropped = _dropless_mlp(cfg, w, h, idx, weights.astype(dt)), jnp.zeros((), jnp.float32)
     else:

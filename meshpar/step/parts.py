@@ -239,8 +239,10 @@ class AbstractStep:
 
 def compiler_options(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
     """The XLA flags the config's programs are compiled with on `mesh`'s devices: ``xla.flags``
-    over the GPU defaults where the devices are GPUs (:func:`meshpar.backend.xla_flags.options`)."""
-    return xla_flags.options(cfg.xla.flags, cfg.xla.gpu_defaults, mesh.devices.flat[0].platform)
+    over the GPU defaults where the devices are GPUs, and what a model with FP8 dots needs there
+    (:func:`meshpar.backend.xla_flags.options`)."""
+    fp8 = bool(models.traits(cfg.model).fp8)
+    return xla_flags.options(cfg.xla.flags, cfg.xla.gpu_defaults, mesh.devices.flat[0].platform, fp8)
 
 
 def train_step(cfg: Config, family: models.Family, mesh, layout, plan: trainer.StatePlan, tx, batch_shardings: dict):
