@@ -69,6 +69,8 @@ class DecoderConfig:
     scan_unroll: int = 0
     fp8: tuple[str, ...] = ()  # the kinds of dot with FP8 operands (meshpar.models.fp8.KINDS)
     fp8_gather: bool = False  # FP8 dots' weights gathered (FSDP) in FP8
+    fp8_scaling: Literal["current", "delayed"] = "current"
+    fp8_history: int = 1024  # delayed scaling: steps of amax each history keeps
     # Mixture of experts (meshpar.models.moe); 0 experts: every MLP dense.
     moe_experts: int = 0  # "experts" per MoE layer
     moe_top_k: int = 2  # experts each token is routed to
@@ -130,9 +132,28 @@ def block_params(cfg: DecoderConfig) -> tuple[str, ...]:
     return (*ATTN_PARAMS, *dense, *(moe_lib.param_names(cfg.mlp) if cfg.moe_experts else ()))
 
 
+def fp8_weights(cfg: DecoderConfig) -> tuple[str, ...]:
+    """The block parameters whose dots run in FP8 (``fp8``'s kinds), in :func:`block_params`' order."""
+    kinds = {**dict.fromkeys(("wq", "wk", "wv", "wo"), "attention"), **dict.fromkeys(MLP_PARAMS[cfg.mlp], "mlp"),
+             **dict.fromkeys(moe_lib.PARAMS[cfg.mlp], "experts")}  # fmt: skip
+    return tuple(name for name in block_params(cfg) if kinds.get(name) in cfg.fp8)
+
+
+def histories(cfg: DecoderConfig) -> tuple[str, ...]:
+    """Delayed scaling's amax histories (:class:`meshpar.models.fp8.History`), ``fp8_<weight>``
+    for each FP8 weight, stacked as the weight is; none under current scaling."""
+    return tuple(f"fp8_{name}" for name in fp8_weights(cfg)) if cfg.fp8_scaling == "delayed" else ()
+
+
+def _weight(name: str) -> str:
+    """The block parameter a stacked entry belongs to: itself, or a history's weight."""
+    return name.removeprefix("fp8_")
+
+
 def stack_size(cfg: DecoderConfig, name: str) -> int:
     """The leading ``layers`` dim of block parameter `name`: every layer's attention, the dense
     layers' MLP, the MoE layers' experts and router."""
+    name = _weight(name)
     if name in moe_lib.DIMS:
         return moe_layers(cfg)
     if name in ATTN_PARAMS:
@@ -185,8 +206,12 @@ def group_params(cfg: DecoderConfig, p: dict[str, jax.Array]) -> list[dict[str, 
     group's slice of :meth:`Blocks.stacked`: the dense layers' (attention and MLP, ``[i]`` of
     the group), then the MoE layer's (its attention, the router and the experts)."""
     n = cfg.moe_every
-    own = [{name: p[name][i] for name in (*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp])} for i in range(n - 1)]
-    moe = {**{name: p[name][n - 1] for name in ATTN_PARAMS}, **{name: p[name] for name in moe_lib.param_names(cfg.mlp)}}
+
+    def held(names) -> list[str]:  # the names with their histories, those `p` holds
+        return [name for name in (*names, *(f"fp8_{x}" for x in names)) if name in p]
+
+    own = [{name: p[name][i] for name in held((*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp]))} for i in range(n - 1)]
+    moe = {**{name: p[name][n - 1] for name in held(ATTN_PARAMS)}, **{name: p[name] for name in held(moe_lib.param_names(cfg.mlp))}}
     return [*own, moe]
 
 
@@ -239,9 +264,12 @@ def _layer(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, attend: kv
     def mm(h: jax.Array, name: str, kind: str, n: int = 1) -> jax.Array:  # h times weight `name`, a `kind` of dot
         if kind not in cfg.fp8:
             return dense(h, w(name, dt), n)
+        history = p.get(f"fp8_{name}")  # delayed scaling's, [3, history]
+        history = None if history is None else use(history, fp8.HISTORY_DIMS[1:])
         if cfg.fp8_gather:  # the weight as stored: the FP8 dot gathers its FP8 form
-            return fp8.dense(h, p[name], dt, n, functools.partial(use, dims=dims[name]), f"{kind}_{name}")
-        return fp8.dense(h, w(name, dt), dt, n, name=f"{kind}_{name}")
+            place = functools.partial(use, dims=dims[name])
+            return fp8.dense(h, p[name], dt, n, place, f"{kind}_{name}", history)
+        return fp8.dense(h, w(name, dt), dt, n, name=f"{kind}_{name}", history=history)
 
     heads, kv_heads = ("batch", "length", "heads", "kv"), ("batch", "length", cfg.kv_dim, "kv")
     x = tag(x, "iteration_input", "decoder_layer_input", "layer_in")
@@ -290,13 +318,17 @@ class Blocks(nnx.Module):
                 setattr(self, name, param(rngs, shape, ("layers", *dims), fan_in[name] ** -0.5, pd))
             else:  # a norm's scale
                 setattr(self, name, ones(shape, ("layers", *dims), pd))
+        for name in histories(cfg):  # empty histories: scale 1 until the first step's amaxes
+            shape = (stack_size(cfg, name), 3, cfg.fp8_history)
+            setattr(self, name, fp8.History(jnp.zeros(shape, jnp.float32), dims=fp8.HISTORY_DIMS))
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The stack on ``x [batch, length, embed]``: its output and each MoE layer's statistics,
         each ``[moe layers]`` (none for a dense model; :func:`meshpar.models.moe_stats.finish`),
         the same under a stage axis as without."""
         cfg = self.cfg
-        run = functools.partial(layers.run_layers, cfg, functools.partial(block, cfg), self.stacked(), x, key)
+        run = functools.partial(layers.run_layers, cfg, functools.partial(block, cfg), self.stacked(), x, key,
+                                maxed=histories(cfg))  # fmt: skip
         if not cfg.moe_experts:
             return run(), {}
         moe_stats.check(cfg, x)
@@ -318,13 +350,13 @@ class Blocks(nnx.Module):
         layer's ``[groups, ...]`` (free reshapes of the stored stacks, which a stage axis splits
         into whole groups: the MoE layers' stacks split as the layout's rule for ``layers`` says)."""
         cfg = self.cfg
-        stacked = {name: getattr(self, name)[...] for name in block_params(cfg)}
+        stacked = {name: getattr(self, name)[...] for name in (*block_params(cfg), *histories(cfg))}
         if not cfg.moe_experts:
             return stacked  # each [layers, ...]
         groups, n = stacked["router"].shape[0], cfg.moe_every  # the stack's, or one stage's slice of it (traced alone)
         for name, w in stacked.items():
-            if name not in moe_lib.DIMS:
-                stacked[name] = w.reshape(groups, n if name in ATTN_PARAMS else n - 1, *w.shape[1:])
+            if _weight(name) not in moe_lib.DIMS:
+                stacked[name] = w.reshape(groups, n if _weight(name) in ATTN_PARAMS else n - 1, *w.shape[1:])
         return stacked
 
 

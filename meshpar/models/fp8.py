@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # model.fp8's kinds of dot: the dense MLP's three (or two) weight matmuls, an MoE layer's expert
@@ -106,16 +107,74 @@ def _backward(spec, dtype, place, stored, res, g):
 _fp8_einsum.defvjp(_forward, _backward)
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, dtype, place: Place = unplaced, name: str = "") -> jax.Array:
+class History(nnx.Variable):
+    """Delayed scaling's amax histories of one stack of FP8 dots, ``[layers, 3, history]`` float32:
+    per layer the input's, the weight's and the output gradient's amax of the last ``history``
+    steps, newest first. Not a parameter: the train step writes each step's new histories over
+    the old (:func:`meshpar.step.trainer.make_train_step`), never through the optimizer."""
+
+
+HISTORY_DIMS = ("layers", "fp8_operand", "fp8_history")  # never split: a few KiB per dot
+
+
+def history_scale(history: jax.Array, dtype) -> jax.Array:
+    """Delayed scaling's float32 scale from one operand's amax history ``[history]``: the max over
+    the history mapped onto `dtype`'s largest value; 1 while the history holds no amax yet."""
+    amax = jnp.max(history)
+    s = _max(dtype) / amax
+    return jnp.where(jnp.isfinite(s) & (amax > 0), s, jnp.float32(1.0))
+
+
+def updated(history: jax.Array, amaxes: jax.Array) -> jax.Array:
+    """``history [3, n]`` with this step's ``amaxes [3]`` in front and the oldest dropped."""
+    return jnp.concatenate([amaxes[:, None], history[:, :-1]], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6))
+def _delayed_einsum(spec, x, w, history, dtype, place: Place, stored: tuple) -> jax.Array:
+    return _delayed_forward(spec, x, w, history, dtype, place, stored)[0]
+
+
+def _delayed_forward(spec, x, w, history, dtype, place, stored):
+    sx, sw = history_scale(history[0], E4M3), history_scale(history[1], E4M3)
+    qx, qw = quantize(x, E4M3, sx), place(quantize(w, E4M3, sw))
+    y = jnp.einsum(spec, dequantize(qx, sx, dtype), dequantize(qw, sw, dtype))
+    seen = jnp.stack([jnp.max(jnp.abs(x)), jnp.max(jnp.abs(w))]).astype(jnp.float32)  # this step's amaxes
+    return y, (qx, sx, qw, sw, history, seen)
+
+
+def _delayed_backward(spec, dtype, place, stored, res, g):
+    """:func:`_backward` with the output gradient scaled by its history, and the "gradient" of
+    `history` the updated history: the value the train step keeps (a max, never a sum, where one
+    history meets several uses: :func:`meshpar.sharding.stages.fan_out_max`, the accumulation)."""
+    qx, sx, qw, sw, history, seen = res
+    sg = history_scale(history[2], E5M2)
+    dg = dequantize(quantize(g, E5M2, sg), sg, dtype)
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), dequantize(qx, sx, dtype), dequantize(qw, sw, dtype))
+    dx, dw = vjp(dg)
+    shape, w_dtype = stored
+    amaxes = jnp.concatenate([seen, jnp.max(jnp.abs(g)).astype(jnp.float32)[None]])
+    return dx.astype(dtype), dw.reshape(shape).astype(w_dtype), updated(history, amaxes)
+
+
+_delayed_einsum.defvjp(_delayed_forward, _delayed_backward)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, dtype, place: Place = unplaced, name: str = "",
+           history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``jnp.einsum(spec, x, w)`` with FP8 operands (e4m3; the output gradient e5m2), in and out
     in `dtype`. `w` is the weight as given (in the compute dtype and already placed for compute,
     or, with `place`, where it is stored: `place` then moves its FP8 form, so an FSDP all-gather
-    moves one byte per element). `name` labels the dot for the compiled-program check."""
+    moves one byte per element). `name` labels the dot for the compiled-program check. With
+    `history` (``[3, n]``, :class:`History`'s slice for this dot) the scales are delayed ones."""
     with jax.named_scope(f"{SCOPE}_{name}" if name else SCOPE):
-        return _fp8_einsum(spec, x.astype(dtype), w, dtype, place, (w.shape, w.dtype))
+        if history is None:
+            return _fp8_einsum(spec, x.astype(dtype), w, dtype, place, (w.shape, w.dtype))
+        return _delayed_einsum(spec, x.astype(dtype), w, history, dtype, place, (w.shape, w.dtype))
 
 
-def dense(x: jax.Array, w: jax.Array, dtype, n: int = 1, place: Place = unplaced, name: str = "") -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, dtype, n: int = 1, place: Place = unplaced, name: str = "",
+          history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """:func:`meshpar.models.layers.dense` with FP8 operands: ``x [batch, length, *in]`` times
     ``w [*in, *out]`` as one ``[batch·length, in] × [in, out]`` FP8 matmul."""
     lead, inner = x.shape[: x.ndim - n], x.shape[x.ndim - n :]
@@ -130,5 +189,5 @@ def dense(x: jax.Array, w: jax.Array, dtype, n: int = 1, place: Place = unplaced
     def flat(v: jax.Array) -> jax.Array:
         return place(v).reshape(k, m)
 
-    y = einsum("rk,kn->rn", x.reshape(-1, k), w, dtype, flat, name)
+    y = einsum("rk,kn->rn", x.reshape(-1, k), w, dtype, flat, name, history)
     return y.reshape(*lead, *out)

@@ -114,7 +114,7 @@ Block = Callable[[dict[str, jax.Array], jax.Array, "jax.Array | None"], jax.Arra
 
 
 def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, key: jax.Array | None,
-               aux: bool = False):  # fmt: skip
+               aux: bool = False, maxed: tuple[str, ...] = ()):  # fmt: skip
     """``block(p, x, key)`` over the `cfg.n_layers` layers of `stacked` (each ``[layers, ...]``),
     under ``cfg.remat``'s ``jax.checkpoint`` policy: the scan body and the unrolled loop run the
     same function, so parameters, checkpoints and results do not depend on the form. Under a
@@ -123,10 +123,12 @@ def run_layers(cfg, block: Block, stacked: dict[str, jax.Array], x: jax.Array, k
 
     With `aux`, `block` returns ``(x, values)`` (an MoE layer's statistics) and this returns x
     and the values stacked along a leading dim of the layers, in canonical order; under a stage
-    axis each value is its mean over the pipeline's microbatches (:func:`meshpar.sharding.stages.run`)."""
+    axis each value is its mean over the pipeline's microbatches (:func:`meshpar.sharding.stages.run`).
+    `maxed`: the entries of `stacked` whose gradients combine by max where a pipeline uses them
+    once per tick (FP8 amax histories, :class:`meshpar.models.fp8.History`)."""
     sched = pipeline.active()
     if sched is not None:
-        return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k, aux), stacked, x, key, aux)
+        return pipeline.run(sched, lambda p, h, k: _in_order(cfg, block, p, h, k, aux), stacked, x, key, aux, maxed)
     return _in_order(cfg, block, stacked, x, key, aux)
 
 

@@ -134,7 +134,7 @@ def _expert_mlp(cfg: Any, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         if "experts" not in cfg.fp8:
             return jnp.einsum(spec, a, w[name])
         place = functools.partial(use, dims=DIMS[name]) if cfg.fp8_gather else fp8.unplaced
-        return fp8.einsum(spec, a, w[name], DTYPES[cfg.compute_dtype], place, f"experts_{name}")
+        return fp8.einsum(spec, a, w[name], DTYPES[cfg.compute_dtype], place, f"experts_{name}", w.get(f"fp8_{name}"))
 
     if cfg.mlp == "swiglu":
         gate = checkpoint_name(dot("gecm,emf->gecf", x, "experts_gate"), "mlpwi_0")
@@ -310,6 +310,8 @@ def moe(cfg: Any, p: dict[str, jax.Array], h: jax.Array) -> tuple[jax.Array, dic
         "router": router,
         **{name: p[name] if gathered_fp8 else use(p[name], DIMS[name], dt) for name in PARAMS[cfg.mlp]},
     }
+    # Delayed scaling's amax histories of the experts' FP8 dots (meshpar.models.fp8.History), [3, history] each.
+    w.update({h: use(p[h], fp8.HISTORY_DIMS[1:]) for h in (f"fp8_{name}" for name in PARAMS[cfg.mlp]) if h in p})
     if cfg.moe_dispatch == "dropless":
         y, dropped = _dropless_mlp(cfg, w, h, idx, weights.astype(dt)), jnp.zeros((), jnp.float32)
     else:

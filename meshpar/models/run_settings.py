@@ -58,3 +58,11 @@ class RunSettings:
     # FP8 dots' weights gathered in FP8 where param_layout splits them further (FSDP): each
     # weight is quantized where it is stored and its FP8 form all-gathered, one byte per element.
     fp8_gather: bool = False
+    # How FP8 operands are scaled: current = each tensor's own amax this step (no state);
+    # delayed = the max of each dot's amax history (MaxText's and Transformer Engine's recipe),
+    # kept in the train state and checkpoints, max-reduced over microbatches, pipeline ticks,
+    # replicas and shards.
+    fp8_scaling: Literal["current", "delayed"] = "current"
+    # Delayed scaling: steps of amax each history keeps (1024: MaxText's and Transformer
+    # Engine's default amax_history_len).
+    fp8_history: int = dataclasses.field(default=1024, metadata={"min": 1})

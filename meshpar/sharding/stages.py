@@ -20,6 +20,7 @@ docs/pipeline.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -142,6 +143,7 @@ def run(
     x: jax.Array,
     key: jax.Array | None,
     aux: bool = False,
+    maxed: tuple[str, ...] = (),
 ):
     """The layer stack `stacked` (each ``[layers, ...]`` in stored order, :func:`stored_order`)
     on ``x [batch, ...]`` as the pipeline `sched`; returns the last layer's output, ``x``'s shape,
@@ -151,7 +153,9 @@ def run(
     Inside ``jax.shard_map`` over the stage axis (every other mesh axis left to the partitioner,
     so the layout's data, model and FSDP splits hold inside a stage as outside), stage s keeps
     its slice of the stack and, per tick, runs one microbatch through one group of it
-    (:class:`_Stage`); a ``psum`` over the stage axis gives every stage the result.
+    (:class:`_Stage`); a ``psum`` over the stage axis gives every stage the result. The entries
+    of `stacked` named in `maxed` reach each tick as that tick's copy (:func:`fan_out_max`), so
+    that their gradients over the ticks combine by max, not by sum.
     """
     mesh = layout_lib.active_mesh()
     if mesh is None:
@@ -162,13 +166,25 @@ def run(
     keys = () if key is None else (key,)  # dropout's key, replicated
     in_specs = ({name: PartitionSpec(axis) for name in stacked}, PartitionSpec(), *(PartitionSpec() for _ in keys))
     out, values = jax.shard_map(
-        lambda w, micro, *k: _run_stages(sched, run_stage, w, micro, k[0] if k else None, aux, n_layers),
+        lambda w, micro, *k: _run_stages(sched, run_stage, w, micro, k[0] if k else None, aux, n_layers, maxed),
         mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec()), axis_names={axis}, check_vma=True,
     )(stacked, micro, *keys)  # fmt: skip
     return (merge_microbatches(out), values) if aux else merge_microbatches(out)
 
 
-def _run_stages(sched: Schedule, run_stage: RunStage, w: dict, micro: jax.Array, key, aux: bool, n_layers: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out_max(v: jax.Array, n: int) -> jax.Array:
+    """`v` repeated `n` times along a new leading dim, whose gradient is the max of the `n`
+    copies' gradients (a broadcast's is their sum): for a value the backward pass writes, not
+    adds to, such as an FP8 amax history (:class:`meshpar.models.fp8.History`)."""
+    return jnp.broadcast_to(v, (n, *v.shape))
+
+
+fan_out_max.defvjp(lambda v, n: (fan_out_max(v, n), None), lambda n, _, g: (jnp.max(g, axis=0),))
+
+
+def _run_stages(sched: Schedule, run_stage: RunStage, w: dict, micro: jax.Array, key, aux: bool, n_layers: int,
+                maxed: tuple[str, ...] = ()):  # fmt: skip
     """Inside the stage axis's ``shard_map``: every tick of the schedule on this stage (one
     ``lax.scan``), then the last stage's outputs and every stage's statistics, by ``psum``."""
     S, R = sched.stages, sched.repeats
@@ -182,7 +198,8 @@ def _run_stages(sched: Schedule, run_stage: RunStage, w: dict, micro: jax.Array,
         shapes = jax.eval_shape(run_stage, stage.group(0), zeros[0], key)[1]
         sums = jax.tree.map(lambda v: stage.varying(jnp.zeros((R, *v.shape), v.dtype)), shapes)
     init = (zeros[0], zeros, zeros if R > 1 else zeros[:0], sums)
-    (_, outputs, _, sums), _ = jax.lax.scan(stage.tick, init, jnp.arange(sched.ticks))
+    per_tick = {name: fan_out_max(weights[name], sched.ticks) for name in maxed}  # each [T, R, K, ...]
+    (_, outputs, _, sums), _ = jax.lax.scan(stage.tick, init, (jnp.arange(sched.ticks), per_tick))
     out = jax.lax.psum(jnp.where(stage.index == S - 1, outputs, 0), sched.axis)
     return out, jax.tree.map(lambda total: stage.canonical(total, n_layers), sums)
 
@@ -229,9 +246,13 @@ class _Stage:
         again = jax.lax.dynamic_index_in_dim(loop, t % M, keepdims=False)
         return jnp.where(t < M, self.varying(fresh), again), loop
 
-    def tick(self, carry, t):
+    def tick(self, carry, xs):
         """One tick of the ``lax.scan``: `carry` is (the input from the previous stage, the
-        collected outputs ``[M, ...]``, the re-entering microbatches, the statistics' sums)."""
+        collected outputs ``[M, ...]``, the re-entering microbatches, the statistics' sums); `xs`
+        the tick's number and its own copies of the maxed weights (:func:`_run_stages`)."""
+        t, own = xs
+        if own:
+            return dataclasses.replace(self, weights={**self.weights, **own}).tick(carry, (t, {}))
         state, outputs, loop, sums = carry
         S, M, R, s = self.sched.stages, self.sched.microbatches, self.sched.repeats, self.index
         first, loop = self.entering(state, loop, t)

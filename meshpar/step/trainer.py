@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import models
 from meshpar.configuration.config import OptimizerConfig
+from meshpar.models import fp8 as fp8_lib
 from meshpar.processes import stop as stop_lib
 from meshpar.sharding import layout as layout_lib
 from meshpar.sharding import offload as offload_lib
@@ -61,6 +62,20 @@ def make_optimizer(cfg: OptimizerConfig, decay_steps: int) -> optax.GradientTran
 
 def _is_var(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def by_kind(param_fn: Callable, history_fn: Callable, *trees: Any) -> Any:
+    """`trees` (params, their gradients, shardings: one structure) mapped leaf by leaf with
+    `history_fn` where the leaf is an FP8 amax history (:class:`meshpar.models.fp8.History`,
+    whose "gradient" is its next value: kept by max, never summed or averaged), else `param_fn`."""
+
+    def one(v, *rest):
+        if not _is_var(v):
+            return param_fn(v, *rest)
+        fn = history_fn if isinstance(v, fp8_lib.History) else param_fn
+        return v.replace(fn(v.value, *(r.value if _is_var(r) else r for r in rest)))
+
+    return jax.tree.map(one, *trees, is_leaf=_is_var)
 
 
 def tree_shardings(tree: Any, layout: layout_lib.Layout, mesh: Mesh) -> Any:
@@ -219,8 +234,11 @@ def _update(tx: optax.GradientTransformation, state: TrainState, grads, state_sh
     grads = offload_lib.fetch(grads, state_shardings.params)
     params = offload_lib.fetch(state.params, state_shardings.params)
     opt_state = offload_lib.fetch(state.opt_state, state_shardings.opt_state)
+    histories = grads  # FP8 amax histories' next values: written over the old, not an update
+    grads = by_kind(lambda g: g, jnp.zeros_like, grads)  # so out of the optimizer, its clipping and the norm
     updates, opt_state = tx.update(grads, opt_state, params)
-    return grads, optax.apply_updates(params, updates), opt_state
+    params = by_kind(lambda p, h: p, lambda p, h: h.astype(p.dtype), optax.apply_updates(params, updates), histories)
+    return grads, params, opt_state
 
 
 def make_train_step(
@@ -306,13 +324,16 @@ def accumulate(grad_fn, params: nnx.State, batch: dict, key: jax.Array, k: int, 
         def add(t, g, s):  # the running sum, in float32, kept in the parameter's sharding
             return jax.lax.with_sharding_constraint(t + g.astype(jnp.float32), s)
 
-        total = jax.tree.map(add, total, grads, param_shardings)
+        def most(t, h, s):  # an FP8 history: the microbatches' max, element by element
+            return jax.lax.with_sharding_constraint(jnp.maximum(t, h.astype(jnp.float32)), s)
+
+        total = by_kind(add, most, total, grads, param_shardings)
         return total, (loss, aux)
 
     total, (losses, aux) = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
     if not reduce:  # the float32 sums, for the caller to reduce (accumulate_locally)
         return (losses.mean(), jax.tree.map(lambda a: a.mean(), aux)), total
-    grads = jax.tree.map(lambda t, p: (t / k).astype(p.dtype), total, params)
+    grads = by_kind(lambda t, p: (t / k).astype(p.dtype), lambda t, p: t.astype(p.dtype), total, params)
     return (losses.mean(), jax.tree.map(lambda a: a.mean(), aux)), grads
 
 
@@ -362,8 +383,8 @@ def accumulate_locally(grad_fn, params: nnx.State, batch: dict, key: jax.Array, 
         shardings = jax.tree.map(lambda s: NamedSharding(abstract, s.spec), param_shardings)
         with layout_lib.activate(local_layout, mesh):
             (loss, aux), grads = accumulate(grad_fn, params, batch, key, k, shardings, reduce=False)
-        total = jax.lax.psum(grads, axes)  # the float32 sums, once
-        grads = jax.tree.map(lambda t, p: (t / (k * n)).astype(p.dtype), total, params)
+        total = by_kind(lambda g: jax.lax.psum(g, axes), lambda h: jax.lax.pmax(h, axes), grads)  # once
+        grads = by_kind(lambda t, p: (t / (k * n)).astype(p.dtype), lambda t, p: t.astype(p.dtype), total, params)
         return (jax.lax.pmean(loss, axes), jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)), grads
 
     batch_specs = {name: split for name in batch}
