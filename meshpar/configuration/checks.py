@@ -112,9 +112,7 @@ def check(cfg: Config) -> None:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
     _check_remat_save(cfg)
-    problem = fp8_lib.check(model.fp8)
-    if problem:
-        raise ConfigError(model.key("fp8"), problem)
+    _check_fp8(cfg)
     _check_experts(cfg, dict(cfg.mesh))
     block, attention = model.attention_block, model.attention
     if (
@@ -176,6 +174,14 @@ def _check_remat_save(cfg: Config) -> None:
     problem = remat_lib.check_save(model.remat or "none", model.remat_save, tagged, cfg.model.name)
     if problem:
         raise ConfigError(model.key("remat_save"), problem)
+
+
+def _check_fp8(cfg: Config) -> None:
+    """``model.fp8`` lists only kinds of dot that run in FP8 (:data:`meshpar.models.fp8.KINDS`)."""
+    model = models_lib.traits(cfg.model)
+    problem = fp8_lib.check(model.fp8)
+    if problem:
+        raise ConfigError(model.key("fp8"), problem)
 
 
 def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:

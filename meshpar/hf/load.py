@@ -28,6 +28,7 @@ import numpy as np
 from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import model_config as hf_config
 from meshpar.hf import names, place, reader
+from meshpar.models import fp8
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -82,17 +83,21 @@ class Source:
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         targets = jax.tree.leaves(shardings)
         paths = [param_path(p) for p, _ in flat]
-        if sorted(paths) != sorted(groups):
-            raise ValueError(f"the model's parameters {sorted(paths)} are not the checkpoint's {sorted(groups)}")
+        weights = [p for p in paths if not fp8.is_history(p)]  # FP8 histories start empty
+        if sorted(weights) != sorted(groups):
+            raise ValueError(f"the model's parameters {sorted(weights)} are not the checkpoint's {sorted(groups)}")
         placer = place.Placer()
         stacks = {}
         for path, (_, sds), target in zip(paths, flat, targets):
-            if groups[path][0].layer is not None:
+            if not fp8.is_history(path) and groups[path][0].layer is not None:
                 stacks[path] = placer.stack(sds.shape, sds.dtype, target, len(groups[path][0].layer))
         placer.compile()
         baseline = place.peak_rss()
         out, largest = [], 0
         for path, (_, sds), target in zip(paths, flat, targets):
+            if fp8.is_history(path):
+                out.append(placer.put(np.zeros(sds.shape, sds.dtype), target))
+                continue
             group = groups[path]
             largest = max(largest, *(self._largest(t, sds.dtype) for t in group))
             if path in stacks:

@@ -142,12 +142,12 @@ def fp8_weights(cfg: DecoderConfig) -> tuple[str, ...]:
 def histories(cfg: DecoderConfig) -> tuple[str, ...]:
     """Delayed scaling's amax histories (:class:`meshpar.models.fp8.History`), ``fp8_<weight>``
     for each FP8 weight, stacked as the weight is; none under current scaling."""
-    return tuple(f"fp8_{name}" for name in fp8_weights(cfg)) if cfg.fp8_scaling == "delayed" else ()
+    return tuple(fp8.HISTORY_PREFIX + name for name in fp8_weights(cfg)) if cfg.fp8_scaling == "delayed" else ()
 
 
 def _weight(name: str) -> str:
     """The block parameter a stacked entry belongs to: itself, or a history's weight."""
-    return name.removeprefix("fp8_")
+    return name.removeprefix(fp8.HISTORY_PREFIX)
 
 
 def stack_size(cfg: DecoderConfig, name: str) -> int:
@@ -211,7 +211,10 @@ def group_params(cfg: DecoderConfig, p: dict[str, jax.Array]) -> list[dict[str, 
         return [name for name in (*names, *(f"fp8_{x}" for x in names)) if name in p]
 
     own = [{name: p[name][i] for name in held((*ATTN_PARAMS, *MLP_PARAMS[cfg.mlp]))} for i in range(n - 1)]
-    moe = {**{name: p[name][n - 1] for name in held(ATTN_PARAMS)}, **{name: p[name] for name in held(moe_lib.param_names(cfg.mlp))}}
+    moe = {
+        **{name: p[name][n - 1] for name in held(ATTN_PARAMS)},
+        **{name: p[name] for name in held(moe_lib.param_names(cfg.mlp))},
+    }
     return [*own, moe]
 
 

@@ -92,14 +92,22 @@ def _forward(spec, x, w, dtype, place, stored):
     return y, (qx, sx, qw, sw)
 
 
+def _gradients(spec: str, a: jax.Array, b: jax.Array, dg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two products of ``einsum(spec, a, b)``'s backward on the output gradient `dg`: its
+    transposes in `a` and in `b`, and not the forward product (``jax.vjp`` would trace that too:
+    dead code XLA drops, but the planner counts matmul FLOPs in traced programs)."""
+    (da,) = jax.linear_transpose(lambda x: jnp.einsum(spec, x, b), a)(dg)
+    (db,) = jax.linear_transpose(lambda y: jnp.einsum(spec, a, y), b)(dg)
+    return da, db
+
+
 def _backward(spec, dtype, place, stored, res, g):
     """Both gradients as dots of FP8 values: the output gradient quantized to e5m2 by its own
     amax, against the forward's FP8 operands. `stored`: the weight's (shape, dtype) as given."""
     qx, sx, qw, sw = res
     sg = scale(g, E5M2)
     dg = dequantize(quantize(g, E5M2, sg), sg, dtype)
-    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), dequantize(qx, sx, dtype), dequantize(qw, sw, dtype))
-    dx, dw = vjp(dg)
+    dx, dw = _gradients(spec, dequantize(qx, sx, dtype), dequantize(qw, sw, dtype), dg)
     shape, w_dtype = stored
     return dx.astype(dtype), dw.reshape(shape).astype(w_dtype)
 
@@ -115,6 +123,14 @@ class History(nnx.Variable):
 
 
 HISTORY_DIMS = ("layers", "fp8_operand", "fp8_history")  # never split: a few KiB per dot
+HISTORY_PREFIX = "fp8_"  # a history's name: "fp8_<its weight's>" (blocks/fp8_wq)
+
+
+def is_history(path: str) -> bool:
+    """Whether the state entry at `path` (``blocks/fp8_wq``) is an amax history: training state,
+    not a weight, so no Hugging Face checkpoint holds one (an import starts it empty, an export
+    leaves it out)."""
+    return path.rsplit("/", 1)[-1].startswith(HISTORY_PREFIX)
 
 
 def history_scale(history: jax.Array, dtype) -> jax.Array:
@@ -150,8 +166,7 @@ def _delayed_backward(spec, dtype, place, stored, res, g):
     qx, sx, qw, sw, history, seen = res
     sg = history_scale(history[2], E5M2)
     dg = dequantize(quantize(g, E5M2, sg), sg, dtype)
-    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), dequantize(qx, sx, dtype), dequantize(qw, sw, dtype))
-    dx, dw = vjp(dg)
+    dx, dw = _gradients(spec, dequantize(qx, sx, dtype), dequantize(qw, sw, dtype), dg)
     shape, w_dtype = stored
     amaxes = jnp.concatenate([seen, jnp.max(jnp.abs(g)).astype(jnp.float32)[None]])
     return dx.astype(dtype), dw.reshape(shape).astype(w_dtype), updated(history, amaxes)

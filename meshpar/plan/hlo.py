@@ -23,6 +23,10 @@ from collections.abc import Callable
 DTYPE_BYTES = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
     "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+    # XLA's 8-bit floats (xla_data.proto's F8E5M2, F8E4M3FN, F8E4M3B11FNUZ, F8E5M2FNUZ, F8E4M3FNUZ,
+    # F8E4M3, F8E3M4, F8E8M0FNU) and its 4-bit one (F4E2M1FN), as the HLO printer names them
+    "f8e5m2": 1, "f8e4m3fn": 1, "f8e4m3b11fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }  # fmt: skip
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")

@@ -16,7 +16,7 @@ from meshpar import models
 from meshpar.backend import compile_cache
 from meshpar.configuration import errors
 from meshpar.configuration.config import ConfigError
-from meshpar.plan import cluster, cost, gpu_target, topology
+from meshpar.plan import cluster, cost, fp8_check, gpu_target, topology
 from meshpar.plan import report as report_lib
 from meshpar.plan.out_of_core import comparison as out_of_core
 from meshpar.plan.pricing import Priced, price
@@ -30,10 +30,12 @@ from meshpar.step import parts, programs
 def machine(cfg, name: str, nodes: int | None = None, network: str | None = None):
     """The named machine, as `nodes` of it on `network` when `nodes` is given
     (:func:`meshpar.plan.cluster.machine`); for ``cpu-sim``, this host measured over the
-    config's mesh's devices (started first, as a run would start them)."""
+    config's mesh's devices (started first, as a run would start them). A model with FP8 dots
+    on a GPU without FP8 tensor cores is refused here (:func:`meshpar.plan.fp8_check.refuse`)."""
     if name == topology.CPU_SIM and nodes is None and network is None:
         return topology.load(name, devices=parts.make_mesh(cfg).size)
     topo = cluster.machine(name, nodes, network)
+    fp8_check.refuse_machine(cfg, topo)
     if nodes is not None:  # a multi-process run's mesh takes every device of every node
         axes = mesh_lib.parse_mesh(cfg.mesh) if isinstance(cfg.mesh, str) else tuple(cfg.mesh)
         try:
@@ -158,6 +160,7 @@ class Planned:
     topo: object = None
     priced: Priced | None = None
     rates: dict | None = None
+    fp8: fp8_check.Check | None = None  # the model's FP8 dots as compiled (None: it has none)
 
 
 def plan(cfg, args) -> Planned:
@@ -171,6 +174,7 @@ def plan(cfg, args) -> Planned:
     target = gpu_target.target(topo, cfg.mesh)  # a GPU machine's own compiler, where installed
     with compile_cache.suspended(target.compile_only):
         step = parts.abstract_step(cfg, devices=target.devices)
+        fp8_check.refuse_device(cfg, step.mesh.devices.flat[0])  # this host's own GPU, planned without a machine
         parts.say_unused_rules(step)  # layout rules that cannot apply
         # The machine's device when a machine is named (on cpu-sim: this host's, as a run checks it).
         capacity = cost.machine_capacity(cfg, topo, step.mesh) if topo is not None else None
@@ -178,6 +182,7 @@ def plan(cfg, args) -> Planned:
         compiled_for = target.compiled_for or gpu_target.host_label(step.mesh)
         missing = models.missing(cfg.model.name)  # the figures the family gives no part for
         out = Planned(report, compiled_for, target.note, missing, topo)
+        out.fp8 = fp8_check.check(step.traits.fp8, report.compiled, report_lib.platform(step), compiled_for)
         if topo is not None:
             (out.priced,) = price(step, report, [topo], sizes, not args.no_overlap)
             out.rates = out.priced.step_time and time_report.model_rates(step, out.priced.step_time, topo)
@@ -193,6 +198,8 @@ def write_plan_json(path: str, p: Planned) -> None:
         out["time"] = {"topology": p.topo.name, "feed_s": p.priced.feed_s, "step": timed}
         out["offload"] = p.priced.offload and p.priced.offload.to_json()
         out["unfit"] = p.priced.unfit or None
+    if p.fp8 is not None:
+        out["fp8"] = p.fp8.to_json()
     try:
         pathlib.Path(path).write_text(json.dumps(out, indent=2) + "\n")
     except OSError as e:
@@ -211,6 +218,8 @@ def print_plan(p: Planned) -> int:
     console.print(f"{p.report.verdict()} (needed: {p.report.needed_from})", markup=False)
     for m in p.missing:
         console.print(m["line"], markup=False, soft_wrap=True)
+    for line in p.fp8.lines() if p.fp8 is not None else ():
+        console.print(line, markup=False, soft_wrap=True)
     if p.topo is not None and p.priced.unfit:
         console.print(p.priced.unfit, markup=False)
         return 1

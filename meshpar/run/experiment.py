@@ -20,7 +20,7 @@ from meshpar.backend import compile_cache, unified_memory
 from meshpar.checkpoints import rundir
 from meshpar.checkpoints.checkpoint import Checkpointer, Codec
 from meshpar.configuration.config import Config, ConfigError
-from meshpar.plan import preflight
+from meshpar.plan import fp8_check, preflight
 from meshpar.run import init_from
 from meshpar.run import resume as resume_lib
 from meshpar.step import inputs as inputs_lib
@@ -96,6 +96,7 @@ def _judged(step: parts.AbstractStep) -> programs.Programs | None:
     are made, then XLA's figures for the compiled programs. Without ``plan.check``: None, and
     the run's jitted steps compile at their first call."""
     cfg = step.cfg
+    fp8_check.refuse_device(cfg, step.mesh.devices.flat[0])  # FP8 dots on a GPU without FP8: one line
     verdict = preflight.check_analytic(step) if cfg.plan.check else None
     rundir.check_paths(cfg)  # folders that cannot be created fail here, before any state exists
     if verdict is None:

@@ -32,6 +32,7 @@ from meshpar.configuration.errors import CheckpointError
 from meshpar.configuration.schema import build
 from meshpar.hf import export, files, names, writer
 from meshpar.hf import load as hf_load
+from meshpar.models import fp8
 from meshpar.run import experiment, init_from
 from meshpar.run import resume as resume_lib
 from meshpar.step import parts
@@ -122,6 +123,7 @@ def to_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = writer.MA
         {n: jax.ShapeDtypeStruct(shape, dtype, sharding=host) for n, (shape, dtype) in saved.items()}
     )
     params = {n.removeprefix("params/").removesuffix("/value"): np.asarray(a) for n, a in arrays.items()}
+    params = {n: a for n, a in params.items() if not fp8.is_history(n)}  # training state, not weights
     expected = {t.param for t in names.tensors(model)}
     missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
     if missing:

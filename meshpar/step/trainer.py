@@ -73,7 +73,7 @@ def by_kind(param_fn: Callable, history_fn: Callable, *trees: Any) -> Any:
         if not _is_var(v):
             return param_fn(v, *rest)
         fn = history_fn if isinstance(v, fp8_lib.History) else param_fn
-        return v.replace(fn(v.value, *(r.value if _is_var(r) else r for r in rest)))
+        return v.replace(fn(v.get_value(), *(r.get_value() if _is_var(r) else r for r in rest)))
 
     return jax.tree.map(one, *trees, is_leaf=_is_var)
 

@@ -424,12 +424,26 @@ def _uses(top: _Level, leaves: list) -> dict[int, Use]:
     return {k: u._replace(parts=len(reads[k])) for k, u in found.items()}
 
 
-def backward_slices(fn, *args) -> int:
+def _fp8_gemm_operand(eqn, gpu: bool) -> bool:
+    """`eqn` dequantizes an FP8 value (:mod:`meshpar.models.fp8`: a convert of an 8-bit float)
+    that XLA:GPU's GEMM rewriter makes an FP8 GEMM's operand: read, like a matmul's, from a
+    buffer of its own (the FP8 slice: ``dynamic-slice`` fusions of ``f8e4m3fn`` stacks feed the
+    ``__cublas$lt$matmul$f8`` calls of the backward loop's body)."""
+    return (
+        gpu
+        and jaxprs.op(eqn) == "convert_element_type"
+        and jnp.dtype(eqn.invars[0].aval.dtype).itemsize == 1
+        and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
+    )
+
+
+def backward_slices(fn, *args, gpu: bool = False) -> int:
     """Bytes one iteration of a backward layer loop that runs as a loop writes out of its
     residual stacks (the largest such loop's): the backward of ``jax.vjp(fn, *args)`` is traced,
     and a stacked residual its body reads (a per-iteration input made by a loop) is sliced out
-    into a buffer of its own when a matmul reads it or more than one op does; a dynamic slice
-    read by one elementwise op fuses into it. `args` are abstract."""
+    into a buffer of its own when a matmul reads it or more than one op does (on XLA:GPU, `gpu`,
+    also an FP8 residual dequantized for an FP8 GEMM); a dynamic slice read by one elementwise
+    op fuses into it. `args` are abstract."""
     leaves, tree = jax.tree.flatten(args)
 
     def backward(*xs):
@@ -454,6 +468,6 @@ def backward_slices(fn, *args) -> int:
                 continue
             for key in {inner.canonical(a) for a in ins if a is not None} & set(reads):
                 reads[key][0] += 1
-                reads[key][1] |= jaxprs.is_matmul(e)
+                reads[key][1] |= jaxprs.is_matmul(e) or _fp8_gemm_operand(e, gpu)
         most = max(most, sum(nbytes(k[1].aval) for k, (n, mm) in reads.items() if mm or n > 1))
     return most

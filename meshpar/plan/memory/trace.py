@@ -82,7 +82,7 @@ def saved_activations(
         kept = residuals.kept_residuals(loss, params, local, read=read, uses=uses, casts=casts, matmuls_at=matmuls_at,
                                         dtypes=dtypes, cheap=cheap, looped=rolled)  # fmt: skip
         if slices is not None and any(r.rolled for r in kept):
-            slices.append(residuals.backward_slices(loss, params, local))
+            slices.append(residuals.backward_slices(loss, params, local, gpu=shapes.platform(step) == "gpu"))
     return kept
 
 

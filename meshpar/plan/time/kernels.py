@@ -233,5 +233,6 @@ def attention_blocks(module: hlo.Module, computation: str, op: hlo.Op) -> int:
 
 def peak_dtype(element_type: str) -> str:
     """The ``peak_tflops`` entry an HLO element type's matmuls run at (f32: float32, which
-    :meth:`meshpar.plan.topology.Topology.peak` maps to TF32 at JAX's default precision)."""
-    return _PEAK_DTYPE.get(element_type, "float32")
+    :meth:`meshpar.plan.topology.Topology.peak` maps to TF32 at JAX's default precision; every
+    8-bit float: float8, the FP8 tensor cores' rate)."""
+    return "float8" if element_type.startswith("f8") else _PEAK_DTYPE.get(element_type, "float32")
