@@ -9,6 +9,10 @@ timed as one jitted program (so a run's dispatch is spread over its kernels):
 * **GEMMs by shape**: bf16 ``[M, K] @ [K, N]`` for large, square and thin shapes (a
   tensor-parallel projection of few tokens, a long-K weight gradient) → achieved TFLOP/s against
   :func:`meshpar.plan.time.kernels.gemm_seconds`' prediction;
+* **FP8 GEMMs** of the same shapes, on a GPU with FP8 tensor cores (else one ``skipped:`` line):
+  e4m3 operands dequantized into the product (:mod:`meshpar.models.fp8`'s pattern, compiled with
+  ``xla_flags.FP8_GEMMS``), whether XLA emitted a cuBLASLt FP8 GEMM for it, TFLOP/s against the
+  prediction at the topology's float8 peak, and the bf16 GEMM's time over the FP8 one's;
 * **the fixed cost of a kernel**: a chain of tiny dependent matrix products XLA cannot fuse
   (a product of [8, 8] matrices: next to no work), per kernel → against ``kernels.launch_us``;
 * **memory bandwidth**: an elementwise pass over a large array (reads and writes every byte)
@@ -133,6 +137,47 @@ def allreduce(sizes, repeats: int, topo) -> list[dict]:
     return out
 
 
+def fp8_gemms(shapes, repeats: int, topo, bf16: list[dict]) -> dict:
+    """``{"rows": [...]}``: FP8 GEMMs by shape beside their prediction and the bf16 row of the same
+    shape (`bf16`); or ``{"skipped": line}`` on a device without FP8 tensor cores."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshpar.backend import xla_flags
+    from meshpar.models import fp8
+    from meshpar.plan import fp8_check
+    from meshpar.plan.time import kernels
+
+    device = jax.local_devices()[0]
+    cc = fp8_check.capability(getattr(device, "compute_capability", None))
+    if device.platform != "gpu" or cc is None or cc < fp8_check.FP8_CAPABILITY:
+        at = f"compute capability {cc[0]}.{cc[1]}" if cc else device.platform
+        return {"skipped": f"skipped: {device.device_kind} ({at}) has no FP8 tensor cores (8.9 or later)"}
+    one = jnp.float32(1.0)
+    rows, bf16_s = [], {tuple(r["shape"]): r["measured_s"] for r in bf16}
+    for m, n, k in shapes:
+        a, b = jnp.ones((REPS, m, k), fp8.E4M3), jnp.ones((k, n), fp8.E4M3)
+
+        def run(a, b, sa, sb):  # REPS products, each of dequantized e4m3 operands: one FP8 GEMM each
+            w = fp8.dequantize(b, sb, jnp.bfloat16)
+            return jax.lax.map(lambda x: fp8.dequantize(x, sa, jnp.bfloat16) @ w, a)
+
+        compiled = jax.jit(run).lower(a, b, one, one).compile(compiler_options=dict(xla_flags.FP8_GEMMS))
+        seconds = common.timed(lambda: compiled(a, b, one, one).block_until_ready(), repeats)[0] / REPS  # noqa: B023
+        row = {"shape": [m, n, k], "measured_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12,
+               "emitted": fp8_check.CUBLAS_F8 in compiled.as_text()}  # fmt: skip
+        if (m, n, k) in bf16_s:
+            row["bf16_over_fp8"] = bf16_s[(m, n, k)] / seconds
+        if topo is not None and topo.kernels is not None:
+            g = kernels.Gemm(1, m, n, k, "f8e4m3fn")
+            row["predicted_s"] = topo.kernels.launch_s + kernels.gemm_seconds(
+                g, topo.peak("float8"), topo.gpu.sm_count, topo.kernels
+            )
+            row["ratio"] = seconds / row["predicted_s"]
+        rows.append(row)
+    return {"rows": rows}
+
+
 def _topology(name: str | None):
     import jax
 
@@ -166,6 +211,7 @@ def main(argv=None) -> int:
         "bandwidth": bandwidth(mib if args.dry_run else 2048 * mib, args.repeats, topo),
         "allreduce": allreduce([mib] if args.dry_run else [mib << k for k in range(0, 9, 2)], args.repeats, topo),
     }
+    out["fp8_gemm"] = fp8_gemms(DRY_GEMMS if args.dry_run else GEMMS, args.repeats, topo, out["gemm"])
 
     def fmt(row: dict) -> str:
         predicted = f"{row['predicted_s'] * 1e6:10.1f} µs  ×{row['ratio']:.2f}" if "predicted_s" in row else ""
@@ -174,6 +220,12 @@ def main(argv=None) -> int:
     print(f"on {out['device']}, against {out['topology'] or 'no topology'}: measured, predicted, measured / predicted")
     for r in out["gemm"]:
         print(f"gemm {'x'.join(map(str, r['shape'])):>20s} {r['tflops']:8.1f} TFLOP/s {fmt(r)}")
+    for r in out["fp8_gemm"].get("rows", []):
+        said = f"bf16 / fp8 ×{r['bf16_over_fp8']:.2f}" if "bf16_over_fp8" in r else ""
+        print(f"fp8 gemm {'x'.join(map(str, r['shape'])):>16s} {r['tflops']:8.1f} TFLOP/s {fmt(r)}  {said}"
+              f"{'' if r['emitted'] else '  (no FP8 GEMM emitted)'}")  # fmt: skip
+    if "skipped" in out["fp8_gemm"]:
+        print(f"fp8 gemm: {out['fp8_gemm']['skipped']}")
     print(f"kernel (tiny dot chain)       {fmt(out['launch'])}")
     print(f"memory {out['bandwidth']['gbps']:8.1f} GB/s            {fmt(out['bandwidth'])}")
     for r in out["allreduce"]:

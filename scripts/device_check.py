@@ -19,7 +19,7 @@ SECTION is one of:
   ``c_feeding.json``, rewritten as each mesh finishes; with one device it says the two coincide.
 - ``offload`` (d): ``scripts/bench_offload.py`` when this tree has it → ``d_offload.json``.
 - ``kernels`` (f): ``scripts/bench_kernels.py``: the time model's components measured — GEMMs
-  by shape, a kernel's fixed cost, memory bandwidth, all-reduce by size with two or more devices —
+  by shape (bf16, and FP8 beside them on a GPU with FP8 tensor cores, else one skipped line), a kernel's fixed cost, memory bandwidth, all-reduce by size with two or more devices —
   each beside the topology's prediction → ``f_kernels.json``.
 - ``unified`` (d): CUDA Unified Memory against host-offload swapping → ``d_unified_memory.json``.
   The planner's memory model over a geometric range of batch sizes (``out-of-core-sweep`` below)
@@ -659,6 +659,14 @@ def kernel_costs(args, device: dict) -> dict:
         return failure(rc, args.seconds, text, "bench_kernels.py")
     ratios = [r["ratio"] for r in found["gemm"] if "ratio" in r]
     spread = f"GEMM measured / predicted {min(ratios):.2f} to {max(ratios):.2f}" if ratios else "no topology to compare"
+    fp8 = found.get("fp8_gemm", {"skipped": "skipped: not measured by this bench_kernels.py"})
+    if "skipped" in fp8:
+        spread += f"; FP8 GEMMs {fp8['skipped']}"
+    elif fp8["rows"]:
+        faster = [r["bf16_over_fp8"] for r in fp8["rows"] if "bf16_over_fp8" in r]
+        emitted = sum(r["emitted"] for r in fp8["rows"])
+        spread += (f"; FP8 GEMMs ({emitted} of {len(fp8['rows'])} emitted as FP8) bf16 / FP8 time "
+                   f"{min(faster, default=0):.2f} to {max(faster, default=0):.2f}")  # fmt: skip
     return {"status": "ok", "note": f"bench_kernels.py on {found['device']}: {spread}", "results": found}
 
 

@@ -12,10 +12,13 @@ Each row (MaxText or Paxml; columns in the published set's README) becomes:
   ``model.remat_save``);
 * its XLA flags, read from its notes (:func:`flags`) into the config's ``xla.flags``, exactly
   those (``xla.gpu_defaults: false``; a flag the installed jaxlib no longer has is left out);
-* its cluster: the GPU's node kind × ``nodes`` × the network its ``network`` column names.
+* its cluster: the GPU's node kind × ``nodes`` × the network its ``network`` column names;
+* an ``fp8`` row: its MLP and attention projections as FP8 dots (``model.fp8``: :data:`FP8_KINDS`),
+  its fp8 recipe's combine thresholds; beside it its bf16 twin where the rows hold none and its
+  source states the bf16 step (:data:`BF16_STEPS`, :func:`twins`).
 
-A row meshpar cannot plan yet (FP8 matmuls, tensor or pipeline parallelism, experts) keeps the
-reason, and is reported with a null prediction.
+A row meshpar cannot plan yet (tensor or pipeline parallelism, experts) keeps the reason, and is
+reported with a null prediction.
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ NETWORKS = (("A3 Ultra", "gcp-a3-ultra-roce"), ("TCPXO", "gcp-a3-mega-tcpxo"), (
 MAXTEXT_SAVES = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "qkv": "qkv_proj", "out": "out_proj",
                  "mlpwo": "mlpwo", "mlpwi": "mlpwi", "context": "context"}  # fmt: skip
 MIB, GIB = 1 << 20, 1 << 30
+# An fp8 row's FP8 dots (docs/fp8.md): MaxText's quantization=fp8 makes the decoder layers' dense
+# projections Flax FP8 dots (Fp8DotGeneralOp on the MLP's and attention's DenseGeneral), Transformer
+# Engine's FP8 layers the QKV, output and MLP GEMMs; in both the embedding, the logits and
+# attention's scores and values stay bf16, and FSDP gathers the weights in bf16 (the dot quantizes
+# after the gather), so model.fp8_gather stays off.
+FP8_KINDS = ["mlp", "attention"]
+# The bf16 step of an fp8 row's run that no row holds, as its source states it: fp8 row id -> s.
+# mx10: NVIDIA/dgxc-benchmarking maxtext/README_70b.md @ 35a9aecc (mx10's source), its BF16 table
+# "Maxtext LLama2 70b BF16", 64x H100 (FSDP=64 GBS=128): 6.999 s per step.
+BF16_STEPS = {"mx10": 6.999}
+# A row's work, the same for an fp8 row and its bf16 partner: framework, model, GPU, GPUs, seq, batch.
+WORK = ("framework", "model", "gpu", "gpus", "seq", "global_batch")
 
 
 class InputError(Exception):
@@ -60,6 +75,9 @@ class Row:
     network: str | None = None
     series: str = ""  # rows of the same work per GPU on growing node counts (weak scaling)
     unplannable: str = ""  # why meshpar cannot plan this row yet ("" if it can)
+    precision: str = "bf16"  # the matmuls' precision: bf16 | fp8
+    work: str = ""  # the same for an fp8 row and its bf16 partner (WORK)
+    twin: bool = False  # a bf16 step its source states but no row holds (BF16_STEPS)
 
 
 def _bytes(text: str) -> int:
@@ -69,11 +87,15 @@ def _bytes(text: str) -> int:
     return int(m.group(1)) * {"GiB": GIB, "MiB": MIB}.get(m.group(2) or "bytes", 1)
 
 
-def _thresholds(notes: str, nodes: int) -> dict:
+def _thresholds(notes: str, nodes: int, precision: str) -> dict:
     """Combine thresholds as the notes give them: ``AR/AG combine=1GiB``, ``AR combine=512MiB
     AG=512MiB RS=8MiB``, ``AR=2GiB AG=2GiB RS=32MiB (<64 nodes) or 16MiB (>=64 nodes)``,
-    ``AR combine threshold 51200 bytes``; for an fp8 row its ``fp8 thresholds``."""
-    text = notes.split("fp8 thresholds:")[0] if "fp8 thresholds" in notes else notes
+    ``AR combine threshold 51200 bytes``; where the notes give ``fp8 thresholds:``, those for an
+    fp8 row and the text before them for a bf16 one."""
+    text = notes
+    if "fp8 thresholds:" in notes:
+        before, after = notes.split("fp8 thresholds:", 1)
+        text = after if precision == "fp8" else before
     names = {"AR": "xla_gpu_all_reduce_combine_threshold_bytes", "AG": "xla_gpu_all_gather_combine_threshold_bytes",
              "RS": "xla_gpu_reduce_scatter_combine_threshold_bytes"}  # fmt: skip
     out = {}
@@ -105,13 +127,13 @@ _SWITCHES = (
 )  # fmt: skip
 
 
-def flags(notes: str, nodes: int) -> dict:
-    """The XLA flags a row's notes say its run used."""
+def flags(notes: str, nodes: int, precision: str = "bf16") -> dict:
+    """The XLA flags a row's notes say its run used (in `precision`)."""
     out = {}
     for pattern, values in _SWITCHES:
         if re.search(pattern, notes):
             out.update(values)
-    out.update(_thresholds(notes, nodes))
+    out.update(_thresholds(notes, nodes, precision))
     return out
 
 
@@ -139,14 +161,16 @@ def _model(r: dict, n: dict) -> dict:
               "d_head": n["d_model"] // n["heads"], "vocab_size": n["vocab"], "max_length": n["seq"],
               "param_dtype": "float32", "compute_dtype": "bfloat16", "attention": attention,
               "scan_layers": "scan_layers=false" not in r["notes"], **remat(r["remat"])}  # fmt: skip
+    if r["precision"] == "fp8":
+        common["fp8"] = FP8_KINDS
     if r["family"] == "llama":
         return {"name": "llama", "n_kv_heads": n["kv_heads"], **common}
     return {"name": "transformer", "positions": "learned", "tie_embeddings": True, **common}
 
 
 def _why_not(n: dict, r: dict) -> str:
-    if r["precision"] != "bf16":
-        return f"{r['precision']} matmuls: meshpar has no FP8 matmuls yet"
+    if r["precision"] not in ("bf16", "fp8"):
+        return f"{r['precision']} matmuls: not mapped from these rows (bf16, fp8)"
     if n["tp"] > 1 or n["pp"] > 1 or n["ep"] > 1 or n["experts"]:
         return "tensor, pipeline or expert parallelism: not mapped from these rows yet"
     return ""
@@ -171,33 +195,61 @@ def read(path: pathlib.Path, columns: tuple[str, ...], nonempty: tuple[str, ...]
     return rows
 
 
-def rows(path: pathlib.Path) -> list[Row]:
-    """The rows of one ``jax_gpu_*.csv``."""
-    raw = read(path, COLUMNS, ("id", "gpu", "gpus", "nodes", "step_s"))
+def _row(r: dict, path: str, line: int, twin: bool = False) -> Row:
+    """One CSV row (`r`, at `line` of `path`) as a meshpar config on its cluster."""
+    try:
+        n = {c: int(r[c] or 0) for c in INTEGERS}
+        measured = float(r["step_s"])
+    except ValueError as e:
+        raise InputError(f"{path}: line {line}: {e}") from None
+    if n["dp"] * n["fsdp"] * n["tp"] * n["ep"] * n["pp"] != n["gpus"] or n["gpus"] % n["nodes"]:
+        raise InputError(
+            f"{path}: line {line}: dp x fsdp x tp x ep x pp is not gpus {n['gpus']} over {n['nodes']} nodes"
+        )
+    node = _lookup(NODE_KINDS, r["gpu"], "gpu", path)
+    network = _lookup(NETWORKS, r["network"], "network", path)
+    mesh = ",".join(f"{a}:{s}" for a, s in (("data", n["dp"]), ("fsdp", n["fsdp"])) if s > 1) or "data:1"
+    batch = "(data,fsdp)" if n["dp"] > 1 and n["fsdp"] > 1 else "fsdp" if n["fsdp"] > 1 else "data"
+    cfg = {"mesh": mesh, "layout": f"batch:{batch}", "model": _model(r, n),
+           "data": {"source": "text", "length": n["seq"]},
+           "train": {"steps": 1, "batch_size": n["global_batch"], "microbatches": 1},
+           "xla": xla_flags.section(xla_flags.known(flags(r["notes"], n["nodes"], r["precision"]))[0])}  # fmt: skip
+    if n["fsdp"] > 1:
+        cfg["param_layout"] = "embed:fsdp"
+    name = f"{r['id']} {r['framework']} {r['model']} {n['gpus']}x{r['gpu'].split('-')[0].split(' ')[0]} dp{n['dp']} fsdp{n['fsdp']} {r['precision']}"  # noqa: E501
+    policy = cfg["model"]["remat"] + ":" + ",".join(cfg["model"].get("remat_save", []))
+    series = (
+        ""
+        if twin
+        else f"{r['framework']} {r['model']} {node} {r['precision']} seq{n['seq']} {n['global_batch'] // n['gpus']}/gpu fsdp{n['fsdp'] if n['dp'] > 1 else 'all'} {policy}"
+    )  # noqa: E501
+    work = " ".join(str(r[c]) for c in WORK)
+    return Row("jax", name, name, node, cfg, measured, r["id"], n["nodes"], network, series, _why_not(n, r),
+               r["precision"], work, twin)  # fmt: skip
+
+
+def twins(raw: list[dict]) -> list[dict]:
+    """The bf16 twin of each fp8 row of :data:`BF16_STEPS`, as a CSV row: the bf16 row of the same
+    framework, model, GPU, sequence and batch per GPU (its recipe: remat, XLA flags), on the fp8
+    row's GPUs, nodes, mesh and global batch, measured as :data:`BF16_STEPS` says. An fp8 row with
+    no such bf16 row has no twin."""
     out = []
-    for i, r in enumerate(raw, 2):
-        try:
-            n = {c: int(r[c] or 0) for c in INTEGERS}
-            measured = float(r["step_s"])
-        except ValueError as e:
-            raise InputError(f"{path.name}: line {i}: {e}") from None
-        if n["dp"] * n["fsdp"] * n["tp"] * n["ep"] * n["pp"] != n["gpus"] or n["gpus"] % n["nodes"]:
-            raise InputError(
-                f"{path.name}: line {i}: dp x fsdp x tp x ep x pp is not gpus {n['gpus']} over {n['nodes']} nodes"
-            )
-        node = _lookup(NODE_KINDS, r["gpu"], "gpu", path.name)
-        network = _lookup(NETWORKS, r["network"], "network", path.name)
-        mesh = ",".join(f"{a}:{s}" for a, s in (("data", n["dp"]), ("fsdp", n["fsdp"])) if s > 1) or "data:1"
-        batch = "(data,fsdp)" if n["dp"] > 1 and n["fsdp"] > 1 else "fsdp" if n["fsdp"] > 1 else "data"
-        cfg = {"mesh": mesh, "layout": f"batch:{batch}", "model": _model(r, n),
-               "data": {"source": "text", "length": n["seq"]},
-               "train": {"steps": 1, "batch_size": n["global_batch"], "microbatches": 1},
-               "xla": xla_flags.section(xla_flags.known(flags(r["notes"], n["nodes"]))[0])}  # fmt: skip
-        if n["fsdp"] > 1:
-            cfg["param_layout"] = "embed:fsdp"
-        name = f"{r['id']} {r['framework']} {r['model']} {n['gpus']}x{r['gpu'].split('-')[0].split(' ')[0]} dp{n['dp']} fsdp{n['fsdp']} {r['precision']}"  # noqa: E501
-        policy = cfg["model"]["remat"] + ":" + ",".join(cfg["model"].get("remat_save", []))
-        series = f"{r['framework']} {r['model']} {node} {r['precision']} seq{n['seq']} {n['global_batch'] // n['gpus']}/gpu fsdp{n['fsdp'] if n['dp'] > 1 else 'all'} {policy}"  # noqa: E501
-        out.append(Row("jax", name, name, node, cfg, measured, r["id"], n["nodes"], network, series,
-                       _why_not(n, r)))  # fmt: skip
+    same = ("framework", "model", "gpu", "seq")
+    for r in raw:
+        if r["precision"] != "fp8" or r["id"] not in BF16_STEPS:
+            continue
+        per_gpu = int(r["global_batch"]) / int(r["gpus"])
+        recipe = [b for b in raw if b["precision"] == "bf16" and all(b[c] == r[c] for c in same)
+                  and int(b["global_batch"]) / int(b["gpus"]) == per_gpu]  # fmt: skip
+        if recipe:
+            scale = ("gpus", "nodes", "network", "dp", "fsdp", "tp", "ep", "pp", "parallelism", "global_batch")
+            out.append({**recipe[0], **{c: r[c] for c in scale}, "id": f"{r['id']}-bf16",
+                        "step_s": str(BF16_STEPS[r["id"]])})  # fmt: skip
     return out
+
+
+def rows(path: pathlib.Path) -> list[Row]:
+    """The rows of one ``jax_gpu_*.csv``, and the bf16 twins of its fp8 rows (:func:`twins`)."""
+    raw = read(path, COLUMNS, ("id", "gpu", "gpus", "nodes", "step_s"))
+    out = [_row(r, path.name, i) for i, r in enumerate(raw, 2)]
+    return out + [_row(r, path.name, 0, twin=True) for r in twins(raw)]

@@ -14,8 +14,10 @@ parent, as the development set is laid out; see its README for every source):
   on ``a100-sxm-8``.
 * ``jax_gpu_*.csv``: MaxText and Paxml steps on H100 and A100 clusters of 1 to 32 nodes, each row
   its model, batch, FSDP/DP split, remat policy by the framework's name, attention, XLA flags and
-  cluster (node kind × nodes × network): :mod:`published_jax`. Rows meshpar cannot plan yet
-  (FP8 matmuls) are listed with the reason.
+  cluster (node kind × nodes × network): :mod:`published_jax`. An ``fp8`` row is planned with its
+  MLP and attention projections as FP8 dots (``model.fp8``), beside its bf16 partner: a bf16
+  row of the same work, else the bf16 twin its source states (``published_jax.BF16_STEPS``).
+  Rows meshpar cannot plan yet are listed with the reason.
 
 Each row's train step is compiled by XLA's GPU compiler for its machine, deviceless (the
 ``gpu-plan`` extra), and priced by :func:`meshpar.plan.time.timing.predict`; the compiled HLO is
@@ -23,16 +25,17 @@ cached under ``--cache`` (keyed by the config, the machine, jax's version and me
 program-building sources), so a rerun after a change to the time model alone compiles nothing.
 
 Printed: per row measured and predicted; per source the MAPE, the share within 10% and the
-signed mean; per model group (same GPUs, hidden, layers, global batch; ≥ 5 rows selected) the
+signed mean (``jax``: the bf16 rows; ``jax fp8``; ``jax bf16 twin``); per fp8 row with a bf16
+partner the step ratio bf16 / fp8, measured and predicted; per model group (same GPUs, hidden, layers, global batch; ≥ 5 rows selected) the
 Spearman rank correlation of predicted and measured, and how much slower than the group's
 fastest the predicted best measured; per weak-scaling series (same work per GPU, growing node
 count) the growth from the fewest nodes to the most, measured and predicted. Exit 1 below the
-targets — MAPE ≤ 10% on the JAX rows (bf16), each series' predicted growth within 5 points of the
-measured, MAPE ≤ 20% on the vTrain rows, Spearman ≥ 0.9 in every group, the predicted best within
+targets — MAPE ≤ 10% on the JAX rows (bf16), each fp8 row within 15% and each bf16 / fp8 ratio
+within 10% of the measured, each series' predicted growth within 5 points of the measured, MAPE ≤ 20% on the vTrain rows, Spearman ≥ 0.9 in every group, the predicted best within
 10% of the fastest — 2 on bad input (a file or column missing), one line. ``--json``: a list of
 ``{"id", "measured_s", "predicted_s"}``, null (with ``reason``) where a row is not planned.
 
-``--sample N``: N vTrain rows drawn at random (seed ``--seed``); ``--groups N``: N whole groups
+``--row ID`` (repeatable): only those JAX rows (an fp8 row with its bf16 partner); ``--sample N``: N vTrain rows drawn at random (seed ``--seed``); ``--groups N``: N whole groups
 of ≥ 5 rows drawn at random (their rows added); ``--group NAME``: that group (as printed, e.g.
 ``"8xA100 h2048 L24 gb32"``; repeatable); none of them: every row. About 8 s per row to
 compile on one core, nothing once cached.
@@ -72,7 +75,7 @@ from published_jax import InputError, Row
 from published_search import megatron_layout, row_layout, search_group  # noqa: F401 (the tests use them from here)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGETS = {"jax_mape": 0.10, "weak_scaling_points": 0.05, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10,
+TARGETS = {"jax_mape": 0.10, "fp8_within": 0.15, "fp8_ratio_within": 0.10, "weak_scaling_points": 0.05, "vtrain_mape": 0.20, "spearman": 0.9, "best_within": 0.10,
            "memory_within": 0.10}  # fmt: skip
 VTRAIN = "vtrain_a100_dev.csv"
 JAX = "jax_gpu_*.csv"
@@ -258,7 +261,7 @@ def price_rows(rows: list[Row], cache: pathlib.Path, digest: str) -> tuple[list[
             continue
         err = (t.total_s - row.measured_s) / row.measured_s
         results.append({"source": row.source, "id": row.id or row.name, "name": row.name, "group": row.group,
-                        "series": row.series, "nodes": row.nodes, "topology": machine(row).name,
+                        "series": row.series, "precision": row.precision, "work": row.work, "twin": row.twin, "nodes": row.nodes, "topology": machine(row).name,
                         "measured_s": row.measured_s, "predicted_s": t.total_s, "error": err,
                         "compute_s": t.compute_s, "collective_s": t.collective_s, "hidden_s": t.hidden_s,
                         "kernels": t.kernels, "launch_s": t.launch_s, "basis": t.basis, "components": t.components,
@@ -286,12 +289,37 @@ def per_row(rows: list[Row], results: list[dict], unplanned: list[dict]) -> list
 # Statistics
 
 
+def source_of(r: dict) -> str:
+    """The summary's source of a priced row: ``jax`` (bf16), ``jax fp8``, ``jax bf16 twin``, ``vtrain``."""
+    return (
+        f"{r['source']} bf16 twin"
+        if r.get("twin")
+        else f"{r['source']} fp8"
+        if r.get("precision") == "fp8"
+        else r["source"]
+    )
+
+
+def fp8_ratios(results: list[dict]) -> list[dict]:
+    """Per fp8 row with a bf16 partner priced (a row or twin of the same work): bf16 / fp8 step,
+    measured and predicted, and the predicted ratio's error."""
+    out = []
+    for f in (r for r in results if r.get("precision") == "fp8"):
+        partner = next((r for r in results if r.get("precision") == "bf16" and r.get("work") == f["work"]), None)
+        if partner:
+            measured, predicted = partner["measured_s"] / f["measured_s"], partner["predicted_s"] / f["predicted_s"]
+            out.append({"fp8": f["id"], "bf16": partner["id"], "measured": measured, "predicted": predicted,
+                        "error": predicted / measured - 1})  # fmt: skip
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
-    """Per source: MAPE, share within 10%, signed mean; per group of ≥ GROUP_MIN rows: Spearman,
-    and the predicted best's measured time over the group's fastest − 1."""
-    out = {"sources": {}, "groups": {}, "weak_scaling": weak_scaling(results)}
-    for source in sorted({r["source"] for r in results}):
-        errs = [r["error"] for r in results if r["source"] == source]
+    """Per source (:func:`source_of`): MAPE, share within 10%, signed mean; the fp8 rows' ratios to
+    their bf16 partners; per group of ≥ GROUP_MIN rows: Spearman, and the predicted best's
+    measured time over the group's fastest − 1."""
+    out = {"sources": {}, "groups": {}, "weak_scaling": weak_scaling(results), "fp8_ratios": fp8_ratios(results)}
+    for source in sorted({source_of(r) for r in results}):
+        errs = [r["error"] for r in results if source_of(r) == source]
         out["sources"][source] = {
             "rows": len(errs), "mape": sum(abs(e) for e in errs) / len(errs),
             "within_10pct": sum(abs(e) <= 0.10 for e in errs) / len(errs), "signed_mean": sum(errs) / len(errs),
@@ -330,13 +358,22 @@ def weak_scaling(results: list[dict]) -> dict:
     return out
 
 
-def verdict(summary: dict) -> list[str]:
-    """The targets missed, one line each (empty: all met)."""
+def verdict(summary: dict, fp8_rows: list[dict] = ()) -> list[str]:
+    """The targets missed, one line each (empty: all met); `fp8_rows`: the priced fp8 rows."""
     missed = []
     for source, key in (("jax", "jax_mape"), ("vtrain", "vtrain_mape")):
         s = summary["sources"].get(source)
         if s and s["mape"] > TARGETS[key]:
             missed.append(f"{source}: MAPE {s['mape']:.1%} above {TARGETS[key]:.0%}")
+    for r in fp8_rows:
+        if abs(r["error"]) > TARGETS["fp8_within"]:
+            missed.append(
+                f"{r['name']}: predicted {r['error']:+.1%} from the measured, beyond {TARGETS['fp8_within']:.0%}"
+            )
+    for q in summary.get("fp8_ratios", []):
+        if abs(q["error"]) > TARGETS["fp8_ratio_within"]:
+            missed.append(f"{q['bf16']} / {q['fp8']}: predicted ratio {q['predicted']:.2f} where {q['measured']:.2f} was "
+                          f"measured ({q['error']:+.1%}), beyond {TARGETS['fp8_ratio_within']:.0%}")  # fmt: skip
     for name, w in summary.get("weak_scaling", {}).items():
         if abs(w["predicted"] - w["measured"]) > TARGETS["weak_scaling_points"]:
             missed.append(f"weak scaling {name}: predicted {w['predicted']:+.1%} where {w['measured']:+.1%} was "
@@ -350,6 +387,17 @@ def verdict(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def only(rows: list[Row], ids: list[str]) -> list[Row]:
+    """The rows of `ids` (all where none), each fp8 one with its bf16 partners (the same work)."""
+    if not ids:
+        return rows
+    unknown = sorted(set(ids) - {r.id for r in rows})
+    if unknown:
+        raise InputError(f"--row {unknown[0]!r} is no row's id (e.g. {rows[0].id!r})")
+    works = {r.work for r in rows if r.id in ids and r.precision == "fp8"}
+    return [r for r in rows if r.id in ids or (r.work in works and r.precision == "bf16")]
 
 
 def select(vtrain: list[Row], jax_: list[Row], sample: int | None, groups: int | None, seed: int,
@@ -380,6 +428,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, help="N vTrain rows at random")
     parser.add_argument("--groups", type=int, help="N whole vTrain groups of >= 5 rows at random")
     parser.add_argument("--group", action="append", default=[], help="a whole group by name (repeatable)")
+    parser.add_argument("--row", action="append", default=[],
+                        help="only this JAX row, by id (repeatable; an fp8 row with its bf16 partner)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-jax", action="store_true", help="leave the JAX rows out")
     parser.add_argument("--no-vtrain", action="store_true", help="leave vTrain's rows out")
@@ -398,7 +448,7 @@ def main(argv=None) -> int:
         if not folder.is_dir():
             raise InputError(f"no published rows at {folder} (pass --published DIR or set MESHPAR_PUBLISHED)")
         vtrain = vtrain_rows(folder / VTRAIN) if (folder / VTRAIN).is_file() and not args.no_vtrain else []
-        jax_ = [] if args.no_jax else jax_rows(folder)
+        jax_ = [] if args.no_jax else only(jax_rows(folder), args.row)
         if not vtrain and not jax_:
             raise InputError(f"{folder}: no {VTRAIN} and no {JAX} rows")
     except InputError as e:
@@ -432,7 +482,11 @@ def main(argv=None) -> int:
     for name, w in summary["weak_scaling"].items():
         print(f"weak scaling {name}: {w['from']} -> {w['to']}: measured {w['measured']:+.1%}, predicted "
               f"{w['predicted']:+.1%}")  # fmt: skip
-    missed = verdict(summary) + [f"{f['name']}: cannot be planned" for f in failed]
+    for q in summary["fp8_ratios"]:
+        print(f"bf16 / fp8 {q['bf16']} / {q['fp8']}: measured {q['measured']:.3f}, predicted {q['predicted']:.3f} "
+              f"({q['error']:+.1%})")  # fmt: skip
+    fp8_rows = [r for r in results if r["precision"] == "fp8"]
+    missed = verdict(summary, fp8_rows) + [f"{f['name']}: cannot be planned" for f in failed]
     memories = []
     for row in [r for r in rows if r.source == "vtrain"] if args.memory else ():
         try:

@@ -1,5 +1,6 @@
 """Every shipped experiment config builds and trains; throughput figures agree with each other."""
 
+import json
 import pathlib
 import re
 import shlex
@@ -11,6 +12,7 @@ import pytest
 from meshpar import train
 from meshpar.configuration import config
 from meshpar.configuration.config import ConfigError
+from meshpar.plan import __main__ as plan_cli
 from meshpar.run import experiment, loop
 from meshpar.run.metrics import read_jsonl
 from meshpar.step import aot, parts
@@ -188,3 +190,31 @@ def test_llama_tiny_trains_as_its_header_says(tmp_path):
     for claimed, got in ((first, summary["first_loss"]), (final, summary["final_loss"]), (at_50, evals[50]),
                          (at_200, evals[200])):  # fmt: skip
         assert abs(got - claimed) <= 0.01 * claimed, (claimed, got)
+
+
+@pytest.mark.gpu_target
+def test_llama3_8b_fp8_is_planned_as_its_header_says(tmp_path):
+    """experiments/llama3_8b_fp8.yaml and its bf16 original planned for h100-sxm-8 with XLA's GPU
+    compiler (deviceless): the memory, the FP8 GEMMs emitted and both predicted steps as the
+    FP8 experiment's header states them."""
+    path = pathlib.Path("experiments/llama3_8b_fp8.yaml")
+    header = " ".join(_header(path))
+    needs = float(re.search(r'plan says "needs ([\d.]+) GiB per device" for each', header).group(1))
+    emitted, meant = (int(x) for x in re.search(r"FP8 dots: (\d+) of (\d+) emitted as FP8 GEMMs", header).groups())
+    fp8_ms, bf16_ms = (
+        float(x) for x in re.search(r"Predicted step ([\d.]+) ms FP8 against ([\d.]+) ms bf16", header).groups()
+    )
+    plans = {}
+    for name in ("llama3_8b_fp8", "llama3_8b"):
+        out = tmp_path / f"{name}.json"
+        assert (
+            plan_cli.main(["--config", f"experiments/{name}.yaml", "--topology", "h100-sxm-8", "--json", str(out)]) == 0
+        )
+        plans[name] = json.loads(out.read_text())
+    fp8, bf16 = plans["llama3_8b_fp8"], plans["llama3_8b"]
+    for plan in (fp8, bf16):
+        assert plan["fits"] and "H100" in plan["compiled_for"]
+        assert plan["needed_bytes"] / 2**30 == pytest.approx(needs, rel=0.01)
+    assert (fp8["fp8"]["emitted"], fp8["fp8"]["meant"]) == (emitted, meant) and "fp8" not in bf16
+    assert fp8["time"]["step"]["total_s"] * 1e3 == pytest.approx(fp8_ms, rel=0.01)
+    assert bf16["time"]["step"]["total_s"] * 1e3 == pytest.approx(bf16_ms, rel=0.01)

@@ -18,7 +18,7 @@ vp = script("validate_published")
 
 def test_every_row_becomes_a_valid_config_with_its_layout():
     rows = vp.vtrain_rows(SLICE / vp.VTRAIN) + vp.jax_rows(SLICE)
-    assert len(rows) == 15
+    assert len(rows) == 18  # 11 vTrain rows, 6 JAX rows, mx10's bf16 twin
     for row in rows:
         cfg = config_lib.from_dict(json.loads(json.dumps(row.config)))
         config_lib.check(cfg)
@@ -45,7 +45,52 @@ def test_every_row_becomes_a_valid_config_with_its_layout():
     assert by_id["px01"].series == by_id["px02"].series and by_id["px01"].nodes < by_id["px02"].nodes
     maxtext = config_lib.from_dict(by_id["mx01"].config)
     assert maxtext.model.name == "llama" and maxtext.model.remat == "minimal_flash" and not maxtext.model.scan_layers
-    assert by_id["mx10"].unplannable.startswith("fp8 matmuls")
+    assert not any(r.unplannable for r in rows)
+
+
+def test_an_fp8_row_is_planned_in_fp8_beside_its_bf16_partner_or_twin():
+    by_id = {r.id: r for r in vp.jax_rows(SLICE)}
+    fp8 = config_lib.from_dict(by_id["mx10"].config)
+    # MaxText's quantization=fp8: the MLP and attention projections FP8, the weights gathered in
+    # bf16; its fp8 recipe's thresholds (AG 512 MiB, RS 8 MiB under 64 nodes), not the bf16 ones.
+    assert fp8.model.fp8 == ("mlp", "attention") and not fp8.model.fp8_gather and by_id["mx10"].precision == "fp8"
+    assert fp8.xla.flags["xla_gpu_all_gather_combine_threshold_bytes"] == 512 << 20
+    assert fp8.xla.flags["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 8 << 20
+    assert fp8.model.remat_save == ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj")
+    # No bf16 row of 70B on 64 GPUs: its twin is mx07's bf16 recipe (mlpwo saved too, bf16
+    # thresholds) on mx10's 64 GPUs and batch 128, measured as its source states (6.999 s).
+    twin = by_id["mx10-bf16"]
+    bf16 = config_lib.from_dict(twin.config)
+    assert twin.twin and twin.measured_s == 6.999 and twin.work == by_id["mx10"].work and not twin.series
+    assert bf16.model.fp8 == () and "mlpwo" in bf16.model.remat_save and dict(bf16.mesh) == {"fsdp": 64}
+    assert (bf16.train.batch_size, twin.nodes) == (128, 8)
+    assert bf16.xla.flags["xla_gpu_all_gather_combine_threshold_bytes"] == 2 << 30
+    # Paxml's GPT-5B in fp8 (Transformer Engine) has a bf16 row of the same work: px01.
+    assert config_lib.from_dict(by_id["px03"].config).model.fp8 == ("mlp", "attention")
+    assert [r.id for r in vp.only(list(by_id.values()), ["px03"])] == ["px01", "px03"]
+    assert [r.id for r in vp.only(list(by_id.values()), ["mx10"])] == ["mx10", "mx10-bf16"]
+    with pytest.raises(vp.InputError, match="--row 'mx99'"):
+        vp.only(list(by_id.values()), ["mx99"])
+
+
+def test_fp8_rows_within_15pct_and_each_bf16_fp8_ratio_within_10pct_of_the_measured():
+    def row(id_, precision, measured, predicted, twin=False):
+        return {"source": "jax", "id": id_, "name": id_, "group": id_, "precision": precision, "work": "70b",
+                "twin": twin, "measured_s": measured, "predicted_s": predicted, "error": predicted / measured - 1}  # fmt: skip
+
+    results = [row("mx10", "fp8", 4.324, 4.6), row("mx10-bf16", "bf16", 6.999, 6.5, twin=True)]
+    summary = vp.summarize(results)
+    assert set(summary["sources"]) == {"jax fp8", "jax bf16 twin"}  # neither in the bf16 rows' MAPE
+    (q,) = summary["fp8_ratios"]
+    assert q["measured"] == pytest.approx(6.999 / 4.324) and q["predicted"] == pytest.approx(6.5 / 4.6)
+    missed = vp.verdict(summary, [results[0]])
+    assert len(missed) == 1 and missed[0].startswith("mx10-bf16 / mx10: predicted ratio 1.41 where 1.62")
+    results[0].update(predicted_s=5.0, error=5.0 / 4.324 - 1)  # +15.6%: the row misses too
+    missed = vp.verdict(vp.summarize(results), [results[0]])
+    assert len(missed) == 2 and "mx10: predicted +15.6% from the measured, beyond 15%" in missed[0]
+    results[0].update(predicted_s=4.1, error=4.1 / 4.324 - 1)
+    results[1].update(predicted_s=6.6, error=6.6 / 6.999 - 1)  # ratio 1.61 of 1.62
+    assert vp.verdict(vp.summarize(results), [results[0]]) == []
 
 
 def test_maxtexts_custom_save_list_and_paxmls_names_are_read_as_the_frameworks_name_them():
@@ -60,6 +105,10 @@ def test_maxtexts_custom_save_list_and_paxmls_names_are_read_as_the_frameworks_n
     notes = "bf16 thresholds: AR=2GiB AG=2GiB RS=32MiB (<64 nodes) or 16MiB (>=64 nodes)."
     assert pj.flags(notes, 32)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 32 << 20
     assert pj.flags(notes, 128)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 16 << 20
+    # a row's notes with both recipes: an fp8 row reads the fp8 thresholds, a bf16 row the others
+    both = notes + " fp8 thresholds: AR=1GiB AG=512MiB RS=8MiB (<64 nodes) or 4MiB (>=64 nodes)."
+    assert pj.flags(both, 8, "fp8")["xla_gpu_all_gather_combine_threshold_bytes"] == 512 << 20
+    assert pj.flags(both, 8, "bf16")["xla_gpu_all_gather_combine_threshold_bytes"] == 2 << 30
 
 
 def test_weak_scaling_is_judged_in_points_of_growth():
@@ -141,22 +190,31 @@ def test_search_choices_map_onto_megatrons_layouts_or_none():
 
 
 @pytest.mark.gpu_target
-def test_a_cluster_row_is_planned_on_its_cluster_and_written_as_a_list(tmp_path):
-    # Paxml's GPT-5B on 2 nodes of 8 H100 (data 2 across them, FSDP 8 within), and MaxText's fp8
-    # 70B, which meshpar cannot plan yet: one prediction, one null with its reason.
+def test_a_cluster_row_and_its_fp8_partner_are_planned_on_their_cluster_and_written_as_a_list(tmp_path):
+    # Paxml's GPT-5B on 2 nodes of 8 H100 (data 2 across them, FSDP 8 within) in bf16 and in fp8,
+    # and a copy of the bf16 row in a precision meshpar does not map: two predictions, one null
+    # with its reason, and the bf16 / fp8 ratio of the pair.
     lines = (SLICE / "jax_gpu_dev.csv").read_text().splitlines()
+    px01 = next(x for x in lines if x.startswith("px01"))
     folder = tmp_path / "published"
     folder.mkdir()
+    int8 = px01.replace("px01", "pxi8", 1).replace(",bf16,", ",int8,", 1)
     (folder / "jax_gpu_dev.csv").write_text(
-        "\n".join([lines[0], *(x for x in lines if x.startswith(("px01", "mx10")))])
+        "\n".join([lines[0], px01, int8, *(x for x in lines if x.startswith("px03"))])
     )
-    out = tmp_path / "rows.json"
+    out, details = tmp_path / "rows.json", tmp_path / "details.json"
     cmd = [sys.executable, "scripts/validate_published.py", "--published", str(folder), "--cache", str(tmp_path / "hlo"),
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), "--details", str(details)]  # fmt: skip
     result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode in (0, 1), result.stderr
     rows = {r["id"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"px01", "mx10"}
+    assert set(rows) == {"px01", "pxi8", "px03"}
     assert rows["px01"]["measured_s"] == 0.634 and 0.3 < rows["px01"]["predicted_s"] < 1.2
-    assert rows["mx10"]["predicted_s"] is None and "fp8" in rows["mx10"]["reason"]
-    assert "h100-sxm-8x2" in result.stdout or "px01" in result.stdout
+    assert rows["pxi8"]["predicted_s"] is None and "int8" in rows["pxi8"]["reason"]
+    assert rows["px03"]["measured_s"] == 0.47 and 0.2 < rows["px03"]["predicted_s"] < rows["px01"]["predicted_s"]
+    # XLA rewrote the fp8 row's dots into cuBLASLt FP8 GEMMs, which the time model priced.
+    assert sum("__cublas$lt$matmul$f8" in p.read_text() for p in (tmp_path / "hlo").glob("*.hlo")) == 1
+    (q,) = json.loads(details.read_text())["summary"]["fp8_ratios"]
+    assert (q["bf16"], q["fp8"]) == ("px01", "px03") and q["measured"] == pytest.approx(0.634 / 0.47)
+    assert q["predicted"] == pytest.approx(rows["px01"]["predicted_s"] / rows["px03"]["predicted_s"])
+    assert "bf16 / fp8 px01 / px03: measured 1.349" in result.stdout

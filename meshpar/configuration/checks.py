@@ -111,8 +111,7 @@ def check(cfg: Config) -> None:
     if source.token_windows and model.max_length is not None and cfg.data.length > model.max_length:
         raise ConfigError("data.length", f"{cfg.data.length} exceeds {model.key('max_length')} {model.max_length}")
     _check_offload(cfg)
-    _check_remat_save(cfg)
-    _check_fp8(cfg)
+    _check_model_settings(cfg)
     _check_experts(cfg, dict(cfg.mesh))
     block, attention = model.attention_block, model.attention
     if (
@@ -161,6 +160,12 @@ def _check_offload(cfg: Config) -> None:
             f"{setting} needs a layer loop, but {model.key('scan_unroll')} {model.scan_unroll} unrolls all "
             f"{layers} layers (use 0 or fewer than {layers})",
         )
+
+
+def _check_model_settings(cfg: Config) -> None:
+    """The model's run settings that name things: its remat policy's save list and its FP8 dots."""
+    _check_remat_save(cfg)
+    _check_fp8(cfg)
 
 
 def _check_remat_save(cfg: Config) -> None:
