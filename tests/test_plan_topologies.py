@@ -25,13 +25,14 @@ from meshpar.step import parts, programs
 
 EXPERIMENTS = sorted(pathlib.Path(p).stem for p in glob.glob("experiments/*.yaml"))
 DOES_NOT_FIT = {"does_not_fit"}  # shows a refusal: its plan does not fit by design
-# 1 B, 8 B and 46.7 B parameters: whether their plans fit this host's RAM depends on the host
-HOST_DEPENDENT = {"gpu_lm", "llama3_8b", "mixtral_8x7b"}
-# Planned in full only under -m slow: gpu_lm, llama3_8b and mixtral_8x7b, and those whose model and layout another repeats
+# 1 B, 8 B (bf16 and FP8) and 46.7 B parameters: whether their plans fit this host's RAM depends on the host
+HOST_DEPENDENT = {"gpu_lm", "llama3_8b", "llama3_8b_fp8", "mixtral_8x7b"}
+# Planned in full only under -m slow: gpu_lm, llama3_8b (and its FP8 variant) and mixtral_8x7b, and those whose model and layout another repeats
 # (quickstart's, does_not_fit's and mlp_model_parallel's, less its model split).
 SLOW = {
     "gpu_lm",
     "llama3_8b",
+    "llama3_8b_fp8",
     "mixtral_8x7b",
     "transformer_data_model_parallel",
     "transformer_data_parallel",

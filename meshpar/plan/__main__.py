@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, metavar="K", help="with --search: compile the best K estimates (default 5)")
     parser.add_argument("--write", metavar="PATH", help="with --search: write the best layout as an experiment YAML")
     parser.add_argument(
+        "--weigh-fp8", action="store_true",
+        help="with --search on a GPU with FP8: also compile the best layouts with FP8 dots and rank both",
+    )  # fmt: skip
+    parser.add_argument(
         "--offload-sweep", nargs="?", const="", metavar="B,B,...",
         help="with --topology: compare offload, remat, microbatches, FSDP at these global batch sizes",
     )  # fmt: skip
@@ -60,9 +64,10 @@ def _mode(args) -> str:
         raise ConfigError(
             "--nodes" if args.nodes is not None else "--network", "clusters a machine: add --topology NAME"
         )
-    if args.search or args.write or args.top is not None:
+    if args.search or args.write or args.top is not None or args.weigh_fp8:
         if not args.search:
-            raise ConfigError("--write" if args.write else "--top", "goes with --search: add --search")
+            flag = "--write" if args.write else "--top" if args.top is not None else "--weigh-fp8"
+            raise ConfigError(flag, "goes with --search: add --search")
         if args.compare_feeding:
             raise ConfigError("--search", "and --compare-feeding are separate commands: pick one")
         return "search"

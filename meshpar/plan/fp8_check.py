@@ -25,7 +25,7 @@ import re
 from meshpar import models
 from meshpar.configuration.config import ConfigError
 from meshpar.models import fp8 as fp8_lib
-from meshpar.plan import hlo
+from meshpar.plan import gpu_target, hlo
 
 # NVIDIA, CUDA C++ Programming Guide, "Compute Capabilities" (FP8 tensor-core MMA: sm_89 Ada and
 # sm_90 Hopper onward); XLA:GPU's GEMM rewriter emits FP8 cuBLASLt calls from 8.9 on.
@@ -194,3 +194,22 @@ def refuse_device(cfg, device) -> None:
     """:func:`refuse` for a GPU device (this host's, or a compile-only one; others: nothing)."""
     if device.platform == "gpu":
         refuse(cfg.model, device.device_kind, getattr(device, "compute_capability", None))
+
+
+def weighed_kinds(cfg, topo) -> tuple[str, ...]:
+    """The kinds of dot ``--weigh-fp8`` compiles the search's best layouts with: the MLP's and
+    the attention projections', and the experts' under capacity dispatch (dropless dispatch's
+    ragged dots have no FP8 GEMM). ConfigError (``--weigh-fp8``) unless `topo` is a GPU machine
+    with FP8 tensor cores whose programs XLA's GPU compiler here compiles: elsewhere FP8 dots
+    are emulated, and their time says nothing of FP8's."""
+    gpu = getattr(topo, "gpu", None)
+    if gpu is None:
+        raise ConfigError("--weigh-fp8", f"{topo.name} is not a GPU machine: FP8 dots would be emulated")
+    cc = capability(gpu.compute_capability)
+    if cc is not None and cc < FP8_CAPABILITY:
+        raise ConfigError("--weigh-fp8", f"{gpu.name} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor cores")
+    why = gpu_target.missing()
+    if why:
+        raise ConfigError("--weigh-fp8", f"FP8 is weighed on XLA:GPU's program, and {why}")
+    experts = models.traits(cfg.model).experts and getattr(cfg.model, "moe_dispatch", "capacity") == "capacity"
+    return ("mlp", "attention", *(("experts",) if experts else ()))

@@ -87,10 +87,11 @@ def search(cfg, args, argv: list[str]) -> int:
     if args.top is not None and args.top < 0:
         raise ConfigError("--top", f"compiles that many layouts: a count >= 0, got {args.top}")
     topo = machine(cfg, args.topology or topology.CPU_SIM, args.nodes, args.network)
+    fp8 = fp8_check.weighed_kinds(cfg, topo) if args.weigh_fp8 else ()
     console = Console(width=max(Console().width, 200))
     with Console(stderr=True).status("searching") as status:
         result = search_lib.search(cfg, topo, topo.num_devices, search_lib.TOP_K if args.top is None else args.top,
-                                   progress=status.update)  # fmt: skip
+                                   progress=status.update, fp8=fp8)  # fmt: skip
     title = f"layout search: {args.config} on {topo.name} ({topo.description})"
     if result.note:
         console.print(result.note, markup=False, soft_wrap=True)

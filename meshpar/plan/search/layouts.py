@@ -6,7 +6,9 @@ builds it (what fails is dropped, counted by the key it fails on) and checked by
 memory plan; the rest are ranked by an analytic estimate (:mod:`meshpar.plan.search.estimates`),
 and the best :data:`TOP_K` compiled and ranked again by the HLO-based model
 (:func:`meshpar.plan.time.timing.predict`), predictions within :data:`TIE` of each other a tie
-broken by fewer collective bytes. The spec: docs/search-model.md.
+broken by fewer collective bytes. With `fp8` kinds (``--weigh-fp8``) each of those layouts is
+also compiled with FP8 dots of those kinds and ranked beside its own precision's. The spec:
+docs/search-model.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 from input_pipeline.errors import DataError
 from meshpar import models
 from meshpar.backend import compile_cache
+from meshpar.configuration import config as config_lib
 from meshpar.configuration.config import Config, ConfigError
 from meshpar.plan import cost, gpu_target
 from meshpar.plan.memory import analytic as memory
@@ -61,6 +64,7 @@ class Row:
     compiled: object = dataclasses.field(default=None, repr=False)  # the train step, when compiled
     replaces_param_layout: bool = False  # the config has a param_layout of its own
     given_microbatches: int = 1  # the config's own train.microbatches
+    given_fp8: tuple[str, ...] = ()  # the config's own model.fp8
 
     @property
     def option_key(self) -> tuple:
@@ -83,7 +87,14 @@ class Row:
             pairs.append(("param_layout", layout_lib.format_rules(self.cfg.param_layout)))
         if self.cfg.train.microbatches != self.given_microbatches:
             pairs.append(("train.microbatches", str(self.cfg.train.microbatches)))
+        if self.fp8 != self.given_fp8:
+            pairs.append((models.traits(self.cfg.model).key("fp8"), f"[{','.join(self.fp8)}]"))
         return [shlex.quote(f"{k}={v or '{}'}") for k, v in pairs]
+
+    @property
+    def fp8(self) -> tuple[str, ...]:
+        """The kinds of dot its model runs in FP8 (``model.fp8``)."""
+        return tuple(models.traits(self.cfg.model).fp8)
 
 
 @dataclasses.dataclass
@@ -161,7 +172,16 @@ class _Planner:
         own = options_lib.is_own(self.cfg, option, new, self.own_mesh)
         return Row(option, new, step, breakdown.total, est, breakdown.total <= self.cap.usable_bytes, own,
                    replaces_param_layout=bool(self.cfg.param_layout),
-                   given_microbatches=self.cfg.train.microbatches)  # fmt: skip
+                   given_microbatches=self.cfg.train.microbatches,
+                   given_fp8=tuple(models.traits(self.cfg.model).fp8))  # fmt: skip
+
+    def in_fp8(self, row: Row, kinds: tuple[str, ...]) -> Row:
+        """`row`'s layout with FP8 dots of `kinds` (``model.fp8``), planned as any row is."""
+        key = models.traits(row.cfg.model).key("fp8")
+        new = config_lib.from_dict(
+            config_lib.apply_overrides(config_lib.to_dict(row.cfg), [f"{key}=[{','.join(kinds)}]"])
+        )
+        return dataclasses.replace(self.row(row.option, new), own=False)
 
     def rows(self, option: options_lib.Option) -> list[Row]:
         """The rows `option` gives (see docs/search-model.md): with a stage axis one per count;
@@ -231,12 +251,13 @@ def compile_row(row: Row, target: gpu_target.Target, topo, spec: dict, cap: cost
     row.fits = max(row.xla_bytes, row.memory_bytes) <= cap.usable_bytes
 
 
-def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None) -> Result:
+def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None, fp8: tuple[str, ...] = ()) -> Result:
     """Enumerate, drop illegal and duplicate choices and those that do not fit, estimate, compile
     the `top` best estimates and rank (see docs/search-model.md). `progress(text)`: called as
     it goes. On a GPU machine with XLA's GPU compiler installed the best estimates are compiled
     for that GPU (:mod:`meshpar.plan.gpu_target`): the enumeration and the estimates read the
-    model on this host's devices (nothing compiled), the compiled ranking reads the GPU's program."""
+    model on this host's devices (nothing compiled), the compiled ranking reads the GPU's program.
+    `fp8`: kinds of dot (``model.fp8``) each compiled layout is also compiled and ranked with."""
     started = time.perf_counter()
     say = progress or (lambda text: None)
     try:
@@ -260,6 +281,7 @@ def search(cfg: Config, topo, num_devices: int, top: int = TOP_K, progress=None)
     cap = planner.cap or cost.machine_capacity(cfg, topo, mesh_lib.build_mesh((("devices", num_devices),)))
     picked = best_layouts([r for r in rows if r.fits], top)
     target = gpu_target.target(topo, ((MODEL_AXIS, num_devices),))
+    picked += [planner.in_fp8(row, fp8) for row in picked if fp8 and row.fp8 != fp8]
     for i, row in enumerate(picked):
         say(f"compiling {i + 1}/{len(picked)}: {row.cfg.mesh_str} {row.cfg.layout_str}")
         compile_row(row, target, topo, spec, cap)
@@ -313,7 +335,7 @@ def to_json(result: Result) -> dict:
         rows.append({
             "mesh": r.cfg.mesh_str, "layout": r.cfg.layout_str,
             "param_layout": layout_lib.format_rules(r.cfg.param_layout), "microbatches": r.cfg.train.microbatches,
-            "own": r.own, "fits": r.fits,
+            "own": r.own, "fits": r.fits, "fp8": list(r.fp8),
             "step_s": r.step_s, "memory_bytes": r.memory_bytes, "xla_bytes": r.xla_bytes,
             "estimate": {**dataclasses.asdict(r.estimate), "total_s": r.estimate.total_s},
             "predicted": r.predicted and timing.to_json(r.predicted), "compile_s": r.compile_s,

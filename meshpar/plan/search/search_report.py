@@ -25,8 +25,9 @@ def table(result, title: str):
     caption = search_lib.summary(result) + (tie if len(tied) > 1 else "") + own
     t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     paging = any(r.estimate.paging_s for r in result.rows)  # unified memory: the pages' stall, a column of its own
-    for name in ("#", "mesh", "layout", "param_layout", "micro", "step", "by", "compute", "collectives", "feed exposed",
-                 *(("paging",) if paging else ()), "estimate", "memory/device", "fits"):  # fmt: skip
+    fp8 = any(r.fp8 for r in result.rows)  # FP8 dots in some rows (--weigh-fp8): a column of their own
+    for name in ("#", "mesh", "layout", "param_layout", "micro", *(("fp8",) if fp8 else ()), "step", "by", "compute",
+                 "collectives", "feed exposed", *(("paging",) if paging else ()), "estimate", "memory/device", "fits"):  # fmt: skip
         t.add_column(name, justify="left" if name in ("mesh", "layout", "param_layout", "by") else "right")
     for i, r in enumerate(result.rows):
         e, p = r.estimate, r.predicted
@@ -40,7 +41,8 @@ def table(result, title: str):
         layout_text = (r.cfg.layout_str or "(replicated)") + (" *" if r.own else "")
         t.add_row(
             str(i + 1) if r.fits else "-", r.cfg.mesh_str, layout_text,
-            layout_lib.format_rules(r.cfg.param_layout) or "-", str(r.cfg.train.microbatches), fmt_seconds(r.step_s),
+            layout_lib.format_rules(r.cfg.param_layout) or "-", str(r.cfg.train.microbatches),
+            *((",".join(r.fp8) or "-",) if fp8 else ()), fmt_seconds(r.step_s),
             ("HLO, tie" if len(tied) > 1 and r in tied else "HLO") if p else "estimate",
             *(fmt_seconds(s) for s in terms), fmt_seconds(e.total_s), memory_text, "yes" if r.fits else "no",
             style="bold" if i == 0 and r.fits else None,
@@ -62,6 +64,8 @@ def experiment_yaml(result, config_path: str, overrides, command: str, out_path:
         chosen["param_layout"] = layout_lib.format_rules(best.cfg.param_layout)
     if best.cfg.train.microbatches != raw.get("train", {}).get("microbatches", 1):
         rest["train"] = {**rest.get("train", {}), "microbatches": best.cfg.train.microbatches}
+    if best.fp8 != best.given_fp8:  # the search weighed FP8 (--weigh-fp8) and chose it
+        rest["model"] = {**rest.get("model", {}), "fp8": list(best.fp8)}
     raw = {**chosen, **rest, "workdir": f"runs/{pathlib.Path(out_path).stem}"}
     config_lib.from_dict(raw)  # what is written loads
     p = best.predicted
