@@ -48,7 +48,10 @@ MIB, GIB = 1 << 20, 1 << 30
 # projections Flax FP8 dots (Fp8DotGeneralOp on the MLP's and attention's DenseGeneral), Transformer
 # Engine's FP8 layers the QKV, output and MLP GEMMs; in both the embedding, the logits and
 # attention's scores and values stay bf16, and FSDP gathers the weights in bf16 (the dot quantizes
-# after the gather), so model.fp8_gather stays off.
+# after the gather), so model.fp8_gather stays off. Both scale by delayed scaling: Flax's
+# Fp8DotGeneralOp keeps an amax history (amax_history_length 1024) per operand, and Transformer
+# Engine's DelayedScaling recipe the same (amax_history_len 1024, its default), as meshpar's
+# model.fp8_scaling delayed (model.fp8_history's default 1024).
 FP8_KINDS = ["mlp", "attention"]
 # The bf16 step of an fp8 row's run that no row holds, as its source states it: fp8 row id -> s.
 # mx10: NVIDIA/dgxc-benchmarking maxtext/README_70b.md @ 35a9aecc (mx10's source), its BF16 table
@@ -162,7 +165,7 @@ def _model(r: dict, n: dict) -> dict:
               "param_dtype": "float32", "compute_dtype": "bfloat16", "attention": attention,
               "scan_layers": "scan_layers=false" not in r["notes"], **remat(r["remat"])}  # fmt: skip
     if r["precision"] == "fp8":
-        common["fp8"] = FP8_KINDS
+        common.update(fp8=FP8_KINDS, fp8_scaling="delayed")
     if r["family"] == "llama":
         return {"name": "llama", "n_kv_heads": n["kv_heads"], **common}
     return {"name": "transformer", "positions": "learned", "tie_embeddings": True, **common}

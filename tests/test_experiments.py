@@ -199,7 +199,10 @@ def test_llama3_8b_fp8_is_planned_as_its_header_says(tmp_path):
     FP8 experiment's header states them."""
     path = pathlib.Path("experiments/llama3_8b_fp8.yaml")
     header = " ".join(_header(path))
-    needs = float(re.search(r'plan says "needs ([\d.]+) GiB per device" for each', header).group(1))
+    needs = {
+        "llama3_8b_fp8": float(re.search(r'plan says "needs ([\d.]+) GiB per device"', header).group(1)),
+        "llama3_8b": float(re.search(r"the bf16 original: ([\d.]+) GiB", header).group(1)),
+    }
     emitted, meant = (int(x) for x in re.search(r"FP8 dots: (\d+) of (\d+) emitted as FP8 GEMMs", header).groups())
     fp8_ms, bf16_ms = (
         float(x) for x in re.search(r"Predicted step ([\d.]+) ms FP8 against ([\d.]+) ms bf16", header).groups()
@@ -212,9 +215,9 @@ def test_llama3_8b_fp8_is_planned_as_its_header_says(tmp_path):
         )
         plans[name] = json.loads(out.read_text())
     fp8, bf16 = plans["llama3_8b_fp8"], plans["llama3_8b"]
-    for plan in (fp8, bf16):
+    for name, plan in plans.items():
         assert plan["fits"] and "H100" in plan["compiled_for"]
-        assert plan["needed_bytes"] / 2**30 == pytest.approx(needs, rel=0.01)
+        assert plan["needed_bytes"] / 2**30 == pytest.approx(needs[name], rel=0.01)
     assert (fp8["fp8"]["emitted"], fp8["fp8"]["meant"]) == (emitted, meant) and "fp8" not in bf16
     assert fp8["time"]["step"]["total_s"] * 1e3 == pytest.approx(fp8_ms, rel=0.01)
     assert bf16["time"]["step"]["total_s"] * 1e3 == pytest.approx(bf16_ms, rel=0.01)

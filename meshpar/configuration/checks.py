@@ -187,6 +187,15 @@ def _check_fp8(cfg: Config) -> None:
     problem = fp8_lib.check(model.fp8)
     if problem:
         raise ConfigError(model.key("fp8"), problem)
+    if "experts" in model.fp8 and not model.experts:
+        raise ConfigError(
+            model.key("fp8"), f"lists experts, and model {cfg.model.name} has none ({model.key('experts')} 0)"
+        )
+    if "experts" in model.fp8 and model.expert_dispatch == "dropless":
+        raise ConfigError(
+            model.key("fp8"),
+            f"FP8 experts need {model.key('expert_dispatch')} capacity: dropless dispatch's ragged dots have no FP8 GEMM",
+        )
 
 
 def _check_experts(cfg: Config, mesh_shape: Mapping[str, int]) -> None:

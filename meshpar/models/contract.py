@@ -77,6 +77,9 @@ class Traits:
     # Experts of each mixture-of-experts layer (their weights' "experts" dim, which a layout may
     # split over a mesh axis it must divide by). 0: no experts.
     experts: int = 0
+    # How tokens reach the experts (capacity | dropless): dropless dispatch's ragged dots have no
+    # FP8 GEMM, so FP8 experts need capacity.
+    expert_dispatch: str = "capacity"
     # The kinds of dot with FP8 operands (meshpar.models.fp8.KINDS); () = none: every matmul in
     # the compute dtype.
     fp8: tuple[str, ...] = ()

@@ -159,7 +159,8 @@ TRAIT_FIELDS = {
     "stack_layers": "n_layers", "width": "d_model", "compute_dtype": "compute_dtype", "param_dtype": "param_dtype",
     "remat": "remat", "remat_save": "remat_save", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
     "attention_block": "attention_block", "vocab_size": "vocab_size", "scan_layers": "scan_layers",
-    "scan_unroll": "scan_unroll", "experts": "moe_experts", "fp8": "fp8",
+    "scan_unroll": "scan_unroll", "experts": "moe_experts", "expert_dispatch": "moe_dispatch",
+    "fp8": "fp8",
 }  # fmt: skip
 
 

@@ -35,7 +35,11 @@ def model_rates(step, step_time, topology) -> dict:
         return {"model_flops": None, **out, "mfu": None, "no_flops": why}
     model_flops = family.flops_per_example(cfg.model, step.element_spec) * batch / step.mesh.size
     peak = topology.peak(step.traits.compute_dtype)
-    return {"model_flops": model_flops, **out, "mfu": model_flops / seconds / peak if seconds and peak else None}
+    mfu = model_flops / seconds / peak if seconds and peak else None
+    # With FP8 dots MFU stays against the compute dtype's peak, so that it compares with the same
+    # model's bf16 step (the model's FLOPs are the same); the line says which peak.
+    return {"model_flops": model_flops, **out, "mfu": mfu, "mfu_peak": step.traits.compute_dtype,
+            "fp8": bool(step.traits.fp8)}  # fmt: skip
 
 
 def rates_line(rates: dict) -> str:
@@ -48,6 +52,7 @@ def rates_line(rates: dict) -> str:
     return (
         f"predicted: {rates['model_flops']:.4g} model FLOP per device per step, "
         f"{'-' if tokens is None else f'{tokens:,.0f}'} tokens/s, MFU {'-' if mfu is None else f'{mfu:.1%}'}"
+        + (f" of the {rates['mfu_peak']} peak (its FP8 dots run at up to twice it)" if rates.get("fp8") else "")
     )
 
 
