@@ -341,12 +341,13 @@ def _losses(*overrides: str) -> tuple[float, ...]:
 
 
 def _tracks(got: tuple[float, ...], ref: tuple[float, ...]) -> None:
-    """The FP8 curve `got` tracks `ref`, the same model's without FP8: both fall (8.2 → 6.4), at
-    most 0.04 apart at any of the STEPS steps (observed 0.007-0.013), and apart from the first
-    step on (observed 5e-4 to 4e-3 there): FP8 rounding is on."""
+    """The FP8 curve `got` tracks `ref`, the same model's without FP8: both fall by more than a
+    nat (8.2 → 6.4 on jax 0.10, 8.1 → 6.7 from jax 0.12's initial draws), at most 0.04 apart at
+    any of the STEPS steps (observed 0.007-0.013), and apart from the first step on (observed
+    5e-4 to 4e-3 there): FP8 rounding is on."""
     got, ref = np.asarray(got), np.asarray(ref)
     assert len(got) == len(ref) == STEPS
-    assert ref[0] - ref[-1] > 1.5 and got[0] - got[-1] > 1.5, (ref, got)
+    assert ref[0] - ref[-1] > 1.0 and got[0] - got[-1] > 1.0, (ref, got)
     gap = np.abs(got - ref)
     assert gap.max() < 0.04 and 1e-4 < gap[0] < 0.01, gap
 
@@ -365,11 +366,16 @@ def test_fp8_training_tracks_the_loss_curve_without_fp8(name):
 def test_fsdp_with_and_without_fp8_gather_and_routed_feeding_train_fp8_bit_identically():
     # The scales are the whole tensors' amaxes, whatever splits them, and quantizing is
     # elementwise: quantizing the weight shards where they are stored and gathering the bytes
-    # (fp8_gather) is quantizing the gathered weight. Exact float equality, step for step.
+    # (fp8_gather) is quantizing the gathered weight. Exact float equality, step for step, and
+    # routed feeding is direct's. FSDP against data parallelism sums the gradients in another
+    # order (a reduce-scatter): bit-identical on jax 0.10's XLA; on jax 0.12's a last-bit
+    # difference from step 14 on, which FP8's rounding carries into the losses (at most 0.0037
+    # apart over 30 steps, a tenth of FP8's own distance from the float32 curve).
     data = _losses(*DATA, FP8)
     _tracks(data, _losses(*DATA))
-    assert _losses(*FSDP, FP8) == data
-    assert _losses(*FSDP, FP8, "model.fp8_gather=true") == data
+    fsdp = _losses(*FSDP, FP8)
+    assert np.abs(np.asarray(fsdp) - np.asarray(data)).max() < 0.01
+    assert _losses(*FSDP, FP8, "model.fp8_gather=true") == fsdp
     assert _losses(*DATA, FP8, "feed.mode=routed") == data
 
 
