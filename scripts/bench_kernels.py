@@ -50,8 +50,6 @@ def gemms(shapes, repeats: int, topo) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from meshpar.plan.time import kernels
-
     out = []
     for m, n, k in shapes:
         a = jnp.ones((REPS, m, k), jnp.bfloat16)
@@ -64,14 +62,21 @@ def gemms(shapes, repeats: int, topo) -> list[dict]:
 
         seconds = common.timed(lambda: run(a, b).block_until_ready(), repeats)[0] / REPS  # noqa: B023
         row = {"shape": [m, n, k], "measured_s": seconds, "tflops": 2 * m * n * k / seconds / 1e12}
-        if topo is not None and topo.kernels is not None:
-            g = kernels.Gemm(1, m, n, k, "bf16")
-            row["predicted_s"] = topo.kernels.launch_s + kernels.gemm_seconds(
-                g, topo.peak("bfloat16"), topo.gpu.sm_count, topo.kernels
-            )
-            row["ratio"] = seconds / row["predicted_s"]
-        out.append(row)
+        out.append({**row, **_predicted(topo, (m, n, k), "bf16", "bfloat16", seconds)})
     return out
+
+
+def _predicted(topo, shape: tuple[int, int, int], element_type: str, peak: str, seconds: float) -> dict:
+    """The time model's seconds for one GEMM of `shape` ``(m, n, k)`` in `element_type` (the
+    launch and the waves at the `peak` entry's rate) and the measured `seconds` over them; {}
+    without the topology's kernel costs."""
+    from meshpar.plan.time import kernels
+
+    if topo is None or topo.kernels is None:
+        return {}
+    g = kernels.Gemm(1, *shape, element_type)
+    predicted = topo.kernels.launch_s + kernels.gemm_seconds(g, topo.peak(peak), topo.gpu.sm_count, topo.kernels)
+    return {"predicted_s": predicted, "ratio": seconds / predicted}
 
 
 def launch(repeats: int, topo, chain: int) -> dict:
@@ -146,7 +151,6 @@ def fp8_gemms(shapes, repeats: int, topo, bf16: list[dict]) -> dict:
     from meshpar.backend import xla_flags
     from meshpar.models import fp8
     from meshpar.plan import fp8_check
-    from meshpar.plan.time import kernels
 
     device = jax.local_devices()[0]
     cc = fp8_check.capability(getattr(device, "compute_capability", None))
@@ -168,13 +172,7 @@ def fp8_gemms(shapes, repeats: int, topo, bf16: list[dict]) -> dict:
                "emitted": fp8_check.CUBLAS_F8 in compiled.as_text()}  # fmt: skip
         if (m, n, k) in bf16_s:
             row["bf16_over_fp8"] = bf16_s[(m, n, k)] / seconds
-        if topo is not None and topo.kernels is not None:
-            g = kernels.Gemm(1, m, n, k, "f8e4m3fn")
-            row["predicted_s"] = topo.kernels.launch_s + kernels.gemm_seconds(
-                g, topo.peak("float8"), topo.gpu.sm_count, topo.kernels
-            )
-            row["ratio"] = seconds / row["predicted_s"]
-        rows.append(row)
+        rows.append({**row, **_predicted(topo, (m, n, k), "f8e4m3fn", "float8", seconds)})
     return {"rows": rows}
 
 
