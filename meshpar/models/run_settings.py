@@ -51,9 +51,8 @@ class RunSettings:
     # The kinds of dot whose operands are FP8 (meshpar.models.fp8; docs/fp8.md): mlp (the dense
     # MLP's weight matmuls), experts (an MoE layer's, capacity dispatch), attention (the query,
     # key, value and output projections). e4m3 operands forward, e5m2 output gradients, each
-    # tensor scaled by its own amax this step (current scaling: no state). The embedding, the
-    # logits, the router and attention's scores and values stay in compute_dtype. Generation
-    # runs the same dots in FP8. [] = no FP8.
+    # tensor scaled as fp8_scaling says. The embedding, the logits, the router and attention's
+    # scores and values stay in compute_dtype. Generation runs the same dots in FP8. [] = no FP8.
     fp8: tuple[str, ...] = ()
     # FP8 dots' weights gathered in FP8 where param_layout splits them further (FSDP): each
     # weight is quantized where it is stored and its FP8 form all-gathered, one byte per element.
