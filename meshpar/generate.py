@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from input_pipeline import tokenizer as tokenizer_lib
+from meshpar import models
 from meshpar.configuration import errors
 from meshpar.configuration.config import ConfigError
 from meshpar.run import decoding
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         f"prefill {result.prefill_s * 1e3:.1f} ms, decode {result.decode_s * 1e3:.1f} ms, "
         f"{result.decode_tokens_per_s:,.1f} tokens/s decoding, {result.tokens_per_s:,.1f} tokens/s overall "
         f"(wall clock; compilation {result.compile_s:.1f} s not counted); {gen.source}; mesh {mesh}, "
-        f"layout {gen.layout}, {result.batch} rows, {result.slots} cache slots",
+        f"layout {gen.layout}, {result.batch} rows, {result.slots} cache slots; {_matmuls(gen.cfg)}",
         file=sys.stderr,
     )
     if args.json is not None:
@@ -194,6 +195,15 @@ def run(args: argparse.Namespace) -> int:
                "prompt_ids": [p.tolist() for p in result.prompts]}  # fmt: skip
         write_output(args.json, json.dumps(out, indent=1))
     return 0
+
+
+def _matmuls(cfg) -> str:
+    """What the model's matmuls run in while generating: its compute dtype, or which kinds of
+    dot in FP8 and how they are scaled (meshpar.models.fp8)."""
+    model = models.traits(cfg.model)
+    if not model.fp8:
+        return f"matmuls in {model.compute_dtype}"
+    return f"FP8 dots ({', '.join(model.fp8)}; {model.fp8_scaling} scaling), the rest in {model.compute_dtype}"
 
 
 def main(argv: list[str] | None = None) -> int:

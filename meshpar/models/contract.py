@@ -83,6 +83,7 @@ class Traits:
     # The kinds of dot with FP8 operands (meshpar.models.fp8.KINDS); () = none: every matmul in
     # the compute dtype.
     fp8: tuple[str, ...] = ()
+    fp8_scaling: str = "current"  # how FP8 operands are scaled: current | delayed
     # The config field behind each trait above, by the trait's name ({"stack_layers": "n_layers"}):
     # the key a one-line error names (:meth:`key`), and the field the planner sets to vary a
     # trait (remat, scan_unroll: :func:`with_settings`). A trait without one is never changed.
