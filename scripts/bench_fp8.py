@@ -4,9 +4,10 @@ prediction of both for a GPU.
     python scripts/bench_fp8.py [--quick] [--config experiments/gpu_lm.yaml] [--topology h100-sxm-8]
         [--rounds N] [--steps N] [--warmup N] [--json runs/bench_fp8.json] [k=v ...]
 
-Rows, the first the baseline: ``bf16`` (``model.fp8=[]``, every matmul in bfloat16) and ``fp8``
+Rows, the first the baseline: ``bf16`` (``model.fp8=[]``, every matmul in bfloat16), ``fp8``
 (``model.fp8=[mlp,attention]``: the MLP's and attention's weight matmuls with e4m3 operands and
-e5m2 output gradients, current scaling; docs/fp8.md). Both built as ``python -m meshpar.train``
+e5m2 output gradients, current scaling; docs/fp8.md) and ``fp8-delayed`` (the same with
+``model.fp8_scaling=delayed``, MaxText's and Transformer Engine's recipe). Both built as ``python -m meshpar.train``
 builds them (checkpoints, eval and the memory pre-flight off), their train steps compiled ahead
 of time and run on their experiments' state and batches (``scripts/common.py``); after warm-up,
 rounds of one block of ``--steps`` steps per row (the order reversed every other round), each
@@ -53,7 +54,11 @@ LAPTOP = ["model.d_model=128", "model.n_heads=4", "model.d_head=32", "model.d_ff
 # The plan's prediction on one GPU of the machine, as gpu_lm's header plans it (--plan-overrides).
 PLAN = "mesh=data:1"
 FP8 = "model.fp8=[mlp,attention]"
-ROWS = [("bf16", ["model.fp8=[]"]), ("fp8", [FP8])]  # the first is the baseline
+ROWS = [
+    ("bf16", ["model.fp8=[]"]),
+    ("fp8", [FP8]),
+    ("fp8-delayed", [FP8, "model.fp8_scaling=delayed"]),
+]  # the first is the baseline
 
 
 def parse_args(argv=None):
@@ -107,12 +112,14 @@ def predictions(args, model: list[str], tmp: str) -> dict:
         os.makedirs(os.path.join(tmp, f"plan{i}"))
         out[label] = predicted(args.config, args.topology, [*model, *args.overrides, *one, *extra],
                                os.path.join(tmp, f"plan{i}"))  # fmt: skip
-    base, fp8 = out["bf16"].get("step_s"), out["fp8"].get("step_s")
+    base = out["bf16"].get("step_s")
+    over = {label: base / row["step_s"] if base and row.get("step_s") else None for label, row in out.items()}
     return {
         "topology": args.topology,
         "overrides": one,
         "rows": out,
-        "bf16_over_fp8": base / fp8 if base and fp8 else None,
+        "bf16_over_fp8": over["fp8"],
+        "bf16_over_fp8_delayed": over["fp8-delayed"],
     }
 
 
@@ -183,15 +190,16 @@ def report(results: list[dict], plan: dict, device: str, kind: str) -> None:
             None if p.get("needed_bytes") is None else f"{p['needed_bytes'] / 2**30:.2f}",
             _dots(r["fp8"]), _dots(p.get("fp8")),
         ])  # fmt: skip
-    columns = [("row", "<5"), (f"step ms ({kind})", ">"), ("x bf16", ">"), ("95% interval", ">"),
+    columns = [("row", "<11"), (f"step ms ({kind})", ">"), ("x bf16", ">"), ("95% interval", ">"),
                (f"predicted ms ({plan['topology']})", ">"), ("predicted GiB/dev", ">"), ("FP8 dots (run)", ">"),
                ("FP8 dots (predicted)", ">")]  # fmt: skip
     print(common.table(columns, rows))
     errors = [f"{label}: {p['error']}" for label, p in plan["rows"].items() if "error" in p]
     for line in errors:
         print(f"not predicted: {line}")
-    if plan["bf16_over_fp8"]:
-        print(f"predicted bf16 / fp8 step on {plan['topology']}: {plan['bf16_over_fp8']:.3f}")
+    for label, key in (("fp8", "bf16_over_fp8"), ("fp8-delayed", "bf16_over_fp8_delayed")):
+        if plan[key]:
+            print(f"predicted bf16 / {label} step on {plan['topology']}: {plan[key]:.3f}")
 
 
 if __name__ == "__main__":
