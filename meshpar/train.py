@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"MFU unknown (model {summary['config']['model']['name']} gives no FLOPs: flops_per_example not given)"
     elif summary["mfu"] is not None:
         mfu = f"MFU {summary['mfu']:.1%} (per step {summary['step_mfu']:.1%})"
+        if summary["config"]["model"].get("fp8"):  # the FP8 dots' peak is twice the compute dtype's
+            mfu += " of the compute dtype's peak"
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
         f"{summary['examples_per_s']:,.0f} examples/s, {summary['tokens_per_s']:,.0f} tokens/s (wall clock), {mfu}, "

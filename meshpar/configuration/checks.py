@@ -1,5 +1,5 @@
 """The checks across a config's sections that need no device: paths, the coordinator's
-address, batch and microbatches against the mesh, the pipeline, offload and experts against the
+address, batch and microbatches against the mesh, the pipeline, a length split, offload and experts against the
 model's traits, and each data source's own check. Every failure is a :class:`ConfigError` whose
 text is ``<key>: <what is wrong>``.
 """
@@ -19,6 +19,7 @@ from meshpar import models as models_lib
 from meshpar import sources
 from meshpar.configuration.schema import ConfigError, short
 from meshpar.configuration.sections import Config, OffloadConfig
+from meshpar.models import context_parallel as context_parallel_lib
 from meshpar.models import fp8 as fp8_lib
 from meshpar.models import remat as remat_lib
 from meshpar.sharding import layout as layout_lib
@@ -95,6 +96,7 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"optimizer.{name}", f"must be in [0, 1), got {b}")
     check_batch_size(cfg, dict(cfg.mesh))
     check_pipeline(cfg, dict(cfg.mesh))
+    check_context_parallel(cfg, dict(cfg.mesh))
     source = sources.of(cfg.data)
     source.check(cfg.data)
     if cfg.feed.reuse_buffers and cfg.data.workers:
@@ -281,6 +283,33 @@ def check_pipeline(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
     problem = pipeline_lib.problem(sched, model.stack_layers, model.key("stack_layers"))
     if problem:
         raise ConfigError(*problem)
+
+
+def check_context_parallel(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
+    """A length split (``length:<axis>``) divides ``data.length``, and the strategy that runs it
+    (``model.context_parallel``) the model's heads (:func:`meshpar.models.context_parallel.problem`).
+    A stage axis over the same mesh axis is :func:`check_pipeline`'s refusal. A -1 axis is
+    skipped as in :func:`check_batch_size`."""
+    named = dict(layout_lib.on_mesh(cfg.layout, mesh_shape))
+    axes = named.get("length")
+    sizes = [mesh_shape[a] for a in layout_lib.mesh_axes(axes)]
+    if not sizes or any(n <= 0 for n in sizes) or math.prod(sizes) == 1:
+        return
+    ways, rule = math.prod(sizes), f"layout length:{layout_lib.format_axes(axes)}"
+    if sources.of(cfg.data).token_windows and cfg.data.length % ways:
+        raise ConfigError("data.length", f"{cfg.data.length} is not divisible by the {ways} ways {rule} splits it")
+    model = models_lib.traits(cfg.model)
+    if model.context_parallel is None or model.heads is None or len(sizes) > 1:
+        return  # a split over several mesh axes is left to XLA's partitioner
+    heads = [mesh_shape[a] for a in layout_lib.mesh_axes(named.get("heads"))]
+    if any(n <= 0 for n in heads):
+        return
+    heads_rule = f"heads:{layout_lib.format_axes(named['heads'])}" if heads else "heads"
+    problem = context_parallel_lib.problem(
+        model.context_parallel, model.heads, ways, math.prod(heads), rule, heads_rule
+    )
+    if problem:
+        raise ConfigError(model.key("context_parallel"), f"{problem} ({model.key('heads')})")
 
 
 def _is_key(cfg: Config, key: str) -> bool:

@@ -9,7 +9,15 @@ The one place the rest of the code imports a config's names from: the sections
 
 from __future__ import annotations
 
-from meshpar.configuration.checks import NAME_MAX, PATH_MAX, PATHS, check, check_batch_size, check_pipeline
+from meshpar.configuration.checks import (
+    NAME_MAX,
+    PATH_MAX,
+    PATHS,
+    check,
+    check_batch_size,
+    check_context_parallel,
+    check_pipeline,
+)
 from meshpar.configuration.loading import apply_overrides, from_dict, load, read, to_dict
 from meshpar.configuration.schema import ConfigError, build
 from meshpar.configuration.sections import (
@@ -52,6 +60,7 @@ __all__ = [
     "build",
     "check",
     "check_batch_size",
+    "check_context_parallel",
     "check_pipeline",
     "from_dict",
     "load",

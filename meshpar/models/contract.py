@@ -67,6 +67,11 @@ class Traits:
     # block, which must divide data.length when smaller under blockwise and cudnn. None: no attention.
     attention: str | None = None
     attention_block: int | None = None
+    # Query heads (their "heads" dim) and how attention runs under a length split
+    # (meshpar.models.context_parallel: auto | all_gather | ring | ulysses; ulysses needs the
+    # heads to divide by the length split times any heads split). None: not such a model.
+    heads: int | None = None
+    context_parallel: str | None = None
     # Token ids the model embeds (the tokenizer's and the corpus's may not exceed them). None: no vocabulary.
     vocab_size: int | None = None
     num_classes: int | None = None  # classes a classifier predicts (the data's must match); None: not one
@@ -107,9 +112,10 @@ CONVENTIONAL: dict[str, str] = {
     "stack_layers": "n_layers",
     "width": "d_model",
     "experts": "moe_experts",
+    "heads": "n_heads",
     **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "remat_save", "dropout", "max_length",
                                   "attention", "attention_block", "vocab_size", "num_classes", "scan_layers",
-                                  "scan_unroll")},
+                                  "scan_unroll", "context_parallel")},
 }  # fmt: skip
 
 

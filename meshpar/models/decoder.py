@@ -11,7 +11,8 @@ each layer puts on the values its backward pass reads (what ``remat`` and
 
 Layers are always *stored* stacked (:func:`block_dims`, a leading ``layers`` dim), and
 ``scan_layers`` only chooses how they are *run* (:func:`meshpar.models.layers.run_layers`). The
-attention core is :mod:`meshpar.models.attention`'s; the projections run as 2-D matmuls over
+attention core is :mod:`meshpar.models.attention`'s (under a length split,
+:mod:`meshpar.models.context_parallel`'s); the projections run as 2-D matmuls over
 ``batch·length`` rows (:func:`meshpar.models.layers.dense`). Generation:
 :meth:`Decoder.init_cache` and :meth:`Decoder.decode` (:mod:`meshpar.models.kv_cache`; with
 experts :func:`decode_block` and :func:`decode_config`).
@@ -33,7 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshpar.models import attention as attention_lib
-from meshpar.models import fp8, kv_cache, layers, moe_stats
+from meshpar.models import context_parallel, fp8, kv_cache, layers, moe_stats
 from meshpar.models import moe as moe_lib
 from meshpar.models.layers import DTYPES, dense, ones, param, rms_norm, tag
 from meshpar.sharding.layout import constrain, use
@@ -66,6 +67,7 @@ class DecoderConfig:
     remat_save: tuple[str, ...] = ()  # remat custom: the tags kept (checkpoint_names)
     attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
     attention_block: int = 512
+    context_parallel: Literal["auto", "all_gather", "ring", "ulysses"] = "auto"  # under a length split
     scan_unroll: int = 0
     fp8: tuple[str, ...] = ()  # the kinds of dot with FP8 operands (meshpar.models.fp8.KINDS)
     fp8_gather: bool = False  # FP8 dots' weights gathered (FSDP) in FP8
@@ -188,8 +190,8 @@ def block(cfg: DecoderConfig, p: dict[str, jax.Array], x: jax.Array,
     layers (:meth:`Blocks.stacked`), the last an MoE layer, and that layer's statistics
     (:func:`meshpar.models.moe.moe`) besides x."""
 
-    def attend(q, k, v):
-        return attention_lib.attention(q, k, v, cfg.attention, cfg.attention_block), None
+    def attend(q, k, v):  # context-parallel where the layout splits length
+        return context_parallel.attention(q, k, v, cfg.attention, cfg.attention_block, cfg.context_parallel), None
 
     if not cfg.moe_experts:
         return layer(cfg, p, x, attend, None, key)[0]

@@ -160,7 +160,7 @@ TRAIT_FIELDS = {
     "remat": "remat", "remat_save": "remat_save", "dropout": "dropout", "max_length": "max_length", "attention": "attention",
     "attention_block": "attention_block", "vocab_size": "vocab_size", "scan_layers": "scan_layers",
     "scan_unroll": "scan_unroll", "experts": "moe_experts", "expert_dispatch": "moe_dispatch",
-    "fp8": "fp8", "fp8_scaling": "fp8_scaling",
+    "fp8": "fp8", "fp8_scaling": "fp8_scaling", "heads": "n_heads", "context_parallel": "context_parallel",
 }  # fmt: skip
 
 

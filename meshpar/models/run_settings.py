@@ -43,6 +43,15 @@ class RunSettings:
     attention: Literal["auto", "xla", "blockwise", "cudnn"] = "auto"
     # Key/value positions per block of blockwise attention; must divide the length when smaller.
     attention_block: int = dataclasses.field(default=512, metadata={"min": 1})
+    # Context parallelism: how attention runs where the layout splits length over one mesh axis
+    # (meshpar.models.context_parallel; docs/models.md, "Context parallelism"). all_gather =
+    # each device's query block against K and V all-gathered along length (only the key/value
+    # heads move); ring = K/V blocks passed around the axis under an online softmax, blocks
+    # wholly after the query block skipped; ulysses = all-to-all from a length split to a heads
+    # split and back (the query heads must divide by the length split times any heads split);
+    # auto = all_gather for now (a choice by the planner's estimate is to come). Without a
+    # length split: no effect.
+    context_parallel: Literal["auto", "all_gather", "ring", "ulysses"] = "auto"
     # Layers per iteration of the layer scan (lax.scan's unroll). 0 = by backend, at trace time:
     # on CPU the whole stack when it has at most UNROLL_LAYERS_CPU layers (a loop iteration
     # costs more there than the compile time it saves: stacked residuals are zero-filled,

@@ -50,6 +50,7 @@ EXECUTION = (
     "remat_save",
     "attention",
     "attention_block",
+    "context_parallel",
     "scan_unroll",
     "dropout",
 )

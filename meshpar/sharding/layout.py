@@ -400,14 +400,23 @@ def _placing(layout: Layout, x: jax.Array, dims: Sequence[str | None]) -> None:
     layout.check_shape(dims, x.shape, what=f"activation {tuple(dims)}")  # at trace time: free
 
 
+def _fully_manual() -> bool:
+    """Whether the trace is inside a ``shard_map`` region manual over every axis of its mesh."""
+    abstract = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(abstract, "manual_axes", ()))
+    return bool(manual) and manual == frozenset(abstract.axis_names)
+
+
 def constrain(x: jax.Array, dims: Sequence[str | None]) -> jax.Array:
     """Sharding constraint in logical names: ``constrain(h, ("batch", "hidden"))``.
 
     Outside :func:`activate` (e.g. a model used on one device) this is the identity, so model
-    code never branches on whether it is distributed.
+    code never branches on whether it is distributed; so it is inside a ``shard_map`` region
+    manual over every mesh axis (context-parallel attention, :mod:`meshpar.models.context_parallel`),
+    where each device holds its own block and nothing is left to place, its backward pass included.
     """
     active = _active()
-    if active is None:
+    if active is None or _fully_manual():
         return x
     layout, mesh = active
     _placing(layout, x, dims)

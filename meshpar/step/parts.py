@@ -87,6 +87,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh) -> layout_lib.Layout:
     if shape != dict(cfg.mesh):  # a -1 axis has its size now: the config's own checks skipped it
         config_lib.check_batch_size(cfg, shape)
         config_lib.check_pipeline(cfg, shape)
+        config_lib.check_context_parallel(cfg, shape)
     return layout_for(cfg, shape)
 
 
