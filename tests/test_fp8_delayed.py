@@ -130,3 +130,19 @@ def test_resume_restores_the_histories_bit_identically(tmp_path):
 def test_bad_scaling_settings_are_one_line(tmp_path, capsys, override, expected):
     argv = ["--config", "experiments/quickstart.yaml", *TINY, f"workdir={tmp_path}", override]
     refuses_in_one_line(train.main, argv, capsys, expected)
+
+
+def test_init_from_a_run_keeps_the_histories_that_fit_and_starts_the_others_empty(tmp_path):
+    # FP8 settings are how a model runs, not what its weights are: init_from a run takes its
+    # weights whatever they are, and its histories only where this model keeps them alike.
+    saved = experiment.build(_cfg(tmp_path / "saved", "train.steps=2", "checkpoint.every=2"))
+    loop.train(saved)
+    held = _histories(saved.state.params)
+    same = experiment.build(_cfg(tmp_path / "same", f"checkpoint.init_from={tmp_path / 'saved'}"))
+    for name, h in _histories(same.state.params).items():
+        np.testing.assert_array_equal(h, held[name])
+    longer = experiment.build(
+        _cfg(tmp_path / "longer", "model.fp8_history=8", f"checkpoint.init_from={tmp_path / 'saved'}")
+    )
+    assert all((h == 0).all() and h.shape[-1] == 8 for h in _histories(longer.state.params).values())
+    np.testing.assert_array_equal(longer.state.params["blocks"]["wq"][...], saved.state.params["blocks"]["wq"][...])

@@ -94,9 +94,8 @@ def check(cfg: Config) -> None:
         b = getattr(cfg.optimizer, name)
         if not 0 <= b < 1:
             raise ConfigError(f"optimizer.{name}", f"must be in [0, 1), got {b}")
-    check_batch_size(cfg, dict(cfg.mesh))
-    check_pipeline(cfg, dict(cfg.mesh))
-    check_context_parallel(cfg, dict(cfg.mesh))
+    for against_mesh in (check_batch_size, check_pipeline, check_context_parallel):
+        against_mesh(cfg, dict(cfg.mesh))
     source = sources.of(cfg.data)
     source.check(cfg.data)
     if cfg.feed.reuse_buffers and cfg.data.workers:

@@ -112,10 +112,11 @@ CONVENTIONAL: dict[str, str] = {
     "stack_layers": "n_layers",
     "width": "d_model",
     "experts": "moe_experts",
+    "expert_dispatch": "moe_dispatch",
     "heads": "n_heads",
     **{trait: trait for trait in ("compute_dtype", "param_dtype", "remat", "remat_save", "dropout", "max_length",
                                   "attention", "attention_block", "vocab_size", "num_classes", "scan_layers",
-                                  "scan_unroll", "context_parallel")},
+                                  "scan_unroll", "context_parallel", "fp8", "fp8_scaling")},
 }  # fmt: skip
 
 

@@ -127,10 +127,10 @@ HISTORY_PREFIX = "fp8_"  # a history's name: "fp8_<its weight's>" (blocks/fp8_wq
 
 
 def is_history(path: str) -> bool:
-    """Whether the state entry at `path` (``blocks/fp8_wq``) is an amax history: training state,
+    """Whether the state entry at `path` (``blocks/fp8_wq``, or its ``/value``) is an amax history: training state,
     not a weight, so no Hugging Face checkpoint holds one (an import starts it empty, an export
     leaves it out)."""
-    return path.rsplit("/", 1)[-1].startswith(HISTORY_PREFIX)
+    return path.removesuffix("/value").rsplit("/", 1)[-1].startswith(HISTORY_PREFIX)
 
 
 def history_scale(history: jax.Array, dtype) -> jax.Array:

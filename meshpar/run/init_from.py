@@ -15,7 +15,8 @@ Two kinds of folder, told apart by what they hold:
 - **a meshpar run**: its workdir (``checkpoints/`` inside) or a checkpoint folder; the newest
   committed step's parameters, checked against their saved digests. Its model settings must
   equal this run's, except how the model runs or trains (:data:`EXECUTION`: dtypes, the layer
-  loop, remat, attention, dropout): a different ``param_dtype`` is converted.
+  loop, remat, attention, dropout, FP8 dots): a different ``param_dtype`` is converted. FP8
+  amax histories the run does not hold as this model has them start empty.
 
 Everything is checked before anything is allocated (:func:`open_source`), and a problem is one
 line naming the key or tensor. A resumed run continues from its own checkpoint, and ignores
@@ -38,6 +39,7 @@ from meshpar.configuration.config import Config, ConfigError
 from meshpar.configuration.errors import CheckpointError
 from meshpar.hf import load as hf_load
 from meshpar.hf import reader
+from meshpar.models import fp8
 from meshpar.step import trainer
 
 KEY = "checkpoint.init_from"
@@ -53,6 +55,10 @@ EXECUTION = (
     "context_parallel",
     "scan_unroll",
     "dropout",
+    "fp8",
+    "fp8_gather",
+    "fp8_scaling",
+    "fp8_history",
 )
 
 
@@ -157,21 +163,28 @@ class RunSource:
     def load(self, abstract_params, shardings) -> tuple[object, str]:
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         names = ["params/" + hf_load.path_name(p) for p, _ in flat]
+        # FP8 amax histories the run holds as this model has them; the others start empty.
+        empty = {n for n, (_, a) in zip(names, flat) if fp8.is_history(n) and self.saved.get(n, (None,))[0] != a.shape}
         targets = {
             n: jax.ShapeDtypeStruct(a.shape, self.saved[n][1], sharding=s)
             for n, (_, a), s in zip(names, flat, jax.tree.leaves(shardings))
+            if n not in empty
         }
         self.run.verify_files()
         arrays = self.run.restore_params(targets)
         digests = self.run.digests()
-        got = integrity.array_digests([arrays[n] for n in names], names)
-        for n in names:
+        kept = [n for n in names if n not in empty]
+        got = integrity.array_digests([arrays[n] for n in kept], kept)
+        for n in kept:
             if got[n] != digests.get(n):
                 raise CheckpointError(
                     f"step {self.run.step} in {self.run.directory} is damaged: {n} does not match its saved digest"
                 )
         out = []
         for n, (_, a), s in zip(names, flat, jax.tree.leaves(shardings)):
+            if n in empty:
+                out.append(jax.device_put(np.zeros(a.shape, a.dtype), s))
+                continue
             x = arrays.pop(n)
             out.append(x if x.dtype == a.dtype else _cast(x, a.dtype, s))
         return jax.tree.unflatten(treedef, out), f"{len(names)} parameters"
@@ -205,13 +218,15 @@ def check_run(cfg: Config, run: SavedRun, abstract_params) -> RunSource:
     for path, a in flat:
         name = "params/" + hf_load.path_name(path)
         names.add(name)
+        if fp8.is_history(name):
+            continue  # training state: restored where it fits (RunSource.load), else empty
         if name not in saved:
             raise ConfigError(KEY, f"{where} has no {name}, which this model has ({a.dtype}{list(a.shape)})")
         if saved[name][0] != tuple(a.shape):
             raise ConfigError(
                 KEY, f"{where} holds {name} as {list(saved[name][0])}; this model makes it {list(a.shape)}"
             )
-    extra = sorted(set(saved) - names)
+    extra = sorted(n for n in set(saved) - names if not fp8.is_history(n))
     if extra:
         raise ConfigError(KEY, f"{where} holds {extra[0]} {list(saved[extra[0]][0])}, which this model has not")
     return RunSource(run, saved)

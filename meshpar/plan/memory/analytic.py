@@ -81,9 +81,10 @@ def out_of_scope(cfg: Config, platform: str) -> str | None:
         # moe_tiny on data:2,stage:2,expert:2 18.6% under XLA:CPU's total (validate_memory.py --ci --beyond-scope)
         return "a mixture of experts under a stage axis (the pipeline's accounting leaves out the dispatch buffers)"
     if any(dim == "length" for dim, _ in layout_lib.on_mesh(cfg.layout, axes)):
-        # XLA's partitioner gathers keys and values over the split and reshards the dense
-        # projections' batch·length rows: the per-device program is not one device's slice
-        return "a sequence split (layout puts length on a mesh axis: XLA gathers attention's keys and values)"
+        # context-parallel attention (meshpar.models.context_parallel) gathers or passes keys and
+        # values over the split, and the partitioner reshards the dense projections' batch·length
+        # rows: the per-device program is not one device's slice
+        return "a sequence split (layout puts length on a mesh axis: attention gathers or passes keys and values)"
     offload = getattr(cfg, "offload", None)
     moved = any(getattr(offload, k, False) for k in ("optimizer", "params"))
     # host offload: of the state, of activations, or a remat policy's (model.remat minimal_offloaded, ...)
