@@ -1,9 +1,10 @@
 """Context parallelism: causal attention when the layout splits ``length`` over a mesh axis.
 
 Under ``length:<axis>`` (one mesh axis of n > 1 devices) the decoder's attention runs inside a
-``jax.shard_map`` manual over that axis, every other axis left to the partitioner (the batch,
-heads and FSDP splits hold inside as outside), each device holding its block of L / n
-positions of q, k and v. ``model.context_parallel`` picks how the blocks meet:
+``jax.shard_map`` manual over every mesh axis (:func:`_region`), each device holding its block
+of the batch and heads as the layout splits them and its L / n positions of q, k and v (left
+to the partitioner, the other axes were gathered at the region's edge before the first
+collective over the length axis). ``model.context_parallel`` picks how the blocks meet:
 
 * ``all_gather`` — K and V all-gathered along ``length`` (only the key/value heads move; they
   are repeated for the query heads after the gather), the device's query block against all of
