@@ -9,6 +9,7 @@ docs/data.md, "Worker processes: the spec".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import mmap
 import multiprocessing
@@ -275,6 +276,11 @@ class _Workers:
             try:
                 segment = shared_memory.SharedMemory(name)
             except FileNotFoundError:  # Grain's unlinking got there first
+                continue
+            except ValueError:  # empty: a worker killed between creating the segment and sizing it,
+                # before it registered the name (it registers once mapped), so nothing to unregister
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(_SHM_DIR, name))
                 continue
             segment.close()
             try:
