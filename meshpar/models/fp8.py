@@ -19,6 +19,7 @@ compiled program for which dots became FP8 GEMMs.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -54,12 +55,17 @@ def _max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def scale(x: jax.Array, dtype) -> jax.Array:
-    """float32 scalar that maps `x`'s amax onto `dtype`'s largest finite value (1 for an all-zero
-    or non-finite amax, which then passes through as the quantize's clip or NaN)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+def _from_amax(amax: jax.Array, dtype) -> jax.Array:
+    """float32 scalar that maps `amax` onto `dtype`'s largest finite value (1 for a zero or
+    non-finite amax, which then passes through as the quantize's clip or NaN)."""
+    amax = amax.astype(jnp.float32)
     s = _max(dtype) / amax
     return jnp.where(jnp.isfinite(s) & (amax > 0), s, jnp.float32(1.0))
+
+
+def scale(x: jax.Array, dtype) -> jax.Array:
+    """Current scaling's scale of `x`: its own amax onto `dtype`'s range (:func:`_from_amax`)."""
+    return _from_amax(jnp.max(jnp.abs(x)), dtype)
 
 
 def quantize(x: jax.Array, dtype, s: jax.Array) -> jax.Array:
@@ -101,15 +107,20 @@ def _gradients(spec: str, a: jax.Array, b: jax.Array, dg: jax.Array) -> tuple[ja
     return da, db
 
 
-def _backward(spec, dtype, place, stored, res, g):
-    """Both gradients as dots of FP8 values: the output gradient quantized to e5m2 by its own
-    amax, against the forward's FP8 operands. `stored`: the weight's (shape, dtype) as given."""
-    qx, sx, qw, sw = res
-    sg = scale(g, E5M2)
+def _fp8_gradients(spec, dtype, stored, operands, g, sg) -> tuple[jax.Array, jax.Array]:
+    """Both gradients as dots of FP8 values: the output gradient `g` quantized to e5m2 by scale
+    `sg`, against the forward's FP8 `operands` ``(qx, sx, qw, sw)``; `stored`: the weight's
+    (shape, dtype) as given."""
+    qx, sx, qw, sw = operands
     dg = dequantize(quantize(g, E5M2, sg), sg, dtype)
     dx, dw = _gradients(spec, dequantize(qx, sx, dtype), dequantize(qw, sw, dtype), dg)
     shape, w_dtype = stored
     return dx.astype(dtype), dw.reshape(shape).astype(w_dtype)
+
+
+def _backward(spec, dtype, place, stored, res, g):
+    """:func:`_fp8_gradients`, the output gradient scaled by its own amax."""
+    return _fp8_gradients(spec, dtype, stored, res, g, scale(g, E5M2))
 
 
 _fp8_einsum.defvjp(_forward, _backward)
@@ -136,9 +147,7 @@ def is_history(path: str) -> bool:
 def history_scale(history: jax.Array, dtype) -> jax.Array:
     """Delayed scaling's float32 scale from one operand's amax history ``[history]``: the max over
     the history mapped onto `dtype`'s largest value; 1 while the history holds no amax yet."""
-    amax = jnp.max(history)
-    s = _max(dtype) / amax
-    return jnp.where(jnp.isfinite(s) & (amax > 0), s, jnp.float32(1.0))
+    return _from_amax(jnp.max(history), dtype)
 
 
 def updated(history: jax.Array, amaxes: jax.Array) -> jax.Array:
@@ -163,13 +172,10 @@ def _delayed_backward(spec, dtype, place, stored, res, g):
     """:func:`_backward` with the output gradient scaled by its history, and the "gradient" of
     `history` the updated history: the value the train step keeps (a max, never a sum, where one
     history meets several uses: :func:`meshpar.sharding.stages.fan_out_max`, the accumulation)."""
-    qx, sx, qw, sw, history, seen = res
-    sg = history_scale(history[2], E5M2)
-    dg = dequantize(quantize(g, E5M2, sg), sg, dtype)
-    dx, dw = _gradients(spec, dequantize(qx, sx, dtype), dequantize(qw, sw, dtype), dg)
-    shape, w_dtype = stored
+    *operands, history, seen = res
+    dx, dw = _fp8_gradients(spec, dtype, stored, operands, g, history_scale(history[2], E5M2))
     amaxes = jnp.concatenate([seen, jnp.max(jnp.abs(g)).astype(jnp.float32)[None]])
-    return dx.astype(dtype), dw.reshape(shape).astype(w_dtype), updated(history, amaxes)
+    return dx, dw, updated(history, amaxes)
 
 
 _delayed_einsum.defvjp(_delayed_forward, _delayed_backward)
@@ -193,13 +199,8 @@ def dense(x: jax.Array, w: jax.Array, dtype, n: int = 1, place: Place = unplaced
     """:func:`meshpar.models.layers.dense` with FP8 operands: ``x [batch, length, *in]`` times
     ``w [*in, *out]`` as one ``[batch·length, in] × [in, out]`` FP8 matmul."""
     lead, inner = x.shape[: x.ndim - n], x.shape[x.ndim - n :]
-    k = 1
-    for d in inner:
-        k *= d
-    out = w.shape[n:]
-    m = 1
-    for d in out:
-        m *= d
+    k, out = math.prod(inner), w.shape[n:]
+    m = math.prod(out)
 
     def flat(v: jax.Array) -> jax.Array:
         return place(v).reshape(k, m)
